@@ -1,0 +1,167 @@
+"""Linear algebra of FOO-VB: the matrix fixed-point equation of Lemmas 1-2.
+
+The covariance update of the multivariate (Algorithm 2) and matrix-variate (Algorithm 3) families needs a
+solution X of the quadratic matrix equation (paper, Eq. "Matrix equation" of Lemma 1)
+
+    X X^T + M T X^T - M = 0,        M = M^T > 0.
+
+Lemma 1 gives X = D Q - 1/2 M T with D = (M + 1/4 M T T^T M)^(1/2) and Q = S W^T from the SVD of D^-1 M T.
+Computing D^-1 is unstable when B = M + 1/4 M T T^T M is ill-conditioned (the reason for the paper's Lemma 2).
+We use an equivalent route that never inverts an ill-conditioned matrix:
+
+* Lemma 1 does not depend on which square root of B is used as D: if D' = D O (O orthogonal), the SVD of
+  D'^-1 M T has left singular vectors O^T S, so D' Q' = D Q and X is unchanged.
+* With any square root A of M (M = A A^T) and N = A^T T, the square root D' = A (I + 1/4 N N^T)^(1/2)
+  gives, with the SVD N = U s W^T,
+
+      X = A U h(s) W^T,     h(s) = sqrt(1 + s^2 / 4) - s / 2      (in (0, 1], so X is nonsingular).
+
+  Substituting: X X^T + M T X^T - M = A U (h^2 + s h - 1) U^T A^T = 0, since h solves h^2 + s h - 1 = 0.
+
+The optimizer stores square roots of covariances, and only the covariance X X^T matters for the posterior
+(replacing A by A O leaves the distribution of theta = mu + A eps unchanged). It therefore uses
+X Q^T = A U h(s) U^T = A (I + U (h(s) - 1) U^T), a function of N N^T only, which needs just the left singular
+vectors of N. When T has rank r < n (T = L^T C, L, C: r x n), N = (L A)^T C and U, s follow from a thin QR
+and an r x n SVD: O(n^2 r) instead of dense O(n^3) decompositions (see `sqrt_covariance_update`).
+
+A property worth knowing (tested): h(s) <= 1, so Lemma 1 never increases the covariance
+(Sigma_new <= Sigma_old in the Loewner order). The diagonal family's closed form (Eq. "diagonal implicit
+solution") takes the positive root instead and does increase sigma where E[g eps] < 0; the two agree
+whenever T is symmetric positive semi-definite in the frame of A.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["LowRank", "solve_fixed_point", "sqrt_covariance_update", "root_scale"]
+
+
+def root_scale(singular_values: Tensor) -> Tensor:
+    """h(s) = sqrt(1 + s^2/4) - s/2, the positive root of h^2 + s h - 1 = 0 (written without cancellation)."""
+    return 2.0 / (torch.sqrt(4.0 + singular_values**2) + singular_values)
+
+
+def _check_finite(name: str, value: Tensor) -> None:
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float = 1e-8) -> Tensor:
+    """Solve X X^T + M T X^T - M = 0 for X (Lemma 1), stably.
+
+    Args:
+        M: symmetric positive definite (N, N) matrix (the prior covariance V in the paper).
+        T: (N, N) matrix (the Monte Carlo estimate E[grad L(theta) eps^T]).
+        symmetry_tol: allowed relative asymmetry of M.
+
+    Returns:
+        X (N, N), nonsingular, in the dtype of M. Computed in float64 as X = A U h(s) W^T, where M = A A^T
+        (symmetric eigendecomposition) and N = A^T T = U s W^T; this equals Lemma 1's D Q - 1/2 M T
+        (module docstring), without inverting the possibly ill-conditioned D (the role of Lemma 2).
+
+    Raises:
+        ValueError: non-square or mismatched shapes, NaN/Inf input, M not symmetric or not positive
+            definite (then no solution exists: X X^T = M + ... requires M > 0).
+    """
+    if M.ndim != 2 or M.shape[0] != M.shape[1]:
+        raise ValueError(f"M must be a square matrix, got shape {tuple(M.shape)}")
+    if T.shape != M.shape:
+        raise ValueError(f"T must have the shape of M {tuple(M.shape)}, got {tuple(T.shape)}")
+    _check_finite("M", M)
+    _check_finite("T", T)
+    m64, t64 = M.to(torch.float64), T.to(torch.float64)
+    scale = m64.abs().max()
+    if (m64 - m64.T).abs().max() > symmetry_tol * scale:
+        raise ValueError("M must be symmetric")
+    eigenvalues, eigenvectors = torch.linalg.eigh(m64)
+    if eigenvalues.min() <= 0:
+        raise ValueError(
+            f"M must be positive definite (smallest eigenvalue {eigenvalues.min().item():.3e}); "
+            "X X^T + M T X^T - M = 0 has no solution otherwise"
+        )
+    sqrt_m = eigenvectors * eigenvalues.sqrt()  # M = sqrt_m sqrt_m^T
+    u, s, wh = torch.linalg.svd(sqrt_m.T @ t64)
+    x = (sqrt_m @ u) * root_scale(s) @ wh
+    return x.to(M.dtype)
+
+
+@dataclass
+class LowRank:
+    """A matrix stored as T = left^T right (left, right: r x n), accumulated without forming the n x n product.
+
+    FOO-VB's estimates of E[g eps^T] are sums of few outer products: rank K for the full family (K Monte Carlo
+    samples) and rank r (batch rows) for the input factor of the first Linear layer of a matrix-variate model.
+    Once the rank would reach n, the sum is collapsed to a dense matrix (kept in `dense`).
+    """
+
+    left: Tensor | None = None
+    right: Tensor | None = None
+    dense: Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.left is None else self.left.shape[0]
+
+    def add(self, left: Tensor, right: Tensor) -> None:
+        """T += left^T right (a left factor identical to the stored one adds to the right factor)."""
+        if self.left is left:
+            self.right = self.right + right
+            return
+        n = left.shape[1]
+        if self.dense is None and self.rank + left.shape[0] < n:
+            if self.left is None:
+                self.left, self.right = left, right
+            else:
+                self.left = torch.cat([self.left, left])
+                self.right = torch.cat([self.right, right])
+            return
+        product = left.T @ right
+        self.dense = product if self.dense is None else self.dense + product
+        if self.left is not None:
+            self.dense += self.left.T @ self.right
+            self.left = self.right = None
+
+    def add_dense(self, matrix: Tensor) -> None:
+        self.dense = matrix.clone() if self.dense is None else self.dense + matrix
+
+    def to_dense(self) -> Tensor:
+        out = self.dense
+        if self.left is not None:
+            low = self.left.T @ self.right
+            out = low if out is None else out + low
+        if out is None:
+            raise ValueError("empty LowRank accumulator")
+        return out
+
+    def scaled(self, factor: float) -> LowRank:
+        if self.dense is not None:
+            return LowRank(dense=self.to_dense() * factor)
+        return LowRank(self.left, self.right * factor)
+
+
+def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype = torch.float64) -> Tensor:
+    """New square root of the covariance after one fixed-point step (Algorithms 2 and 3).
+
+    Given the prior's square root A (V = A A^T) and T = E[g eps^T] (or the matrix-variate E2 / E3), returns
+    A_new = A (I + U (h(s) - 1) U^T) where U, s are the left singular vectors / values of N = A^T T.
+    A_new A_new^T = X X^T for Lemma 1's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
+    posterior is the paper's. Uses a thin QR + SVD in O(n^2 r) when T is low rank, a dense SVD otherwise.
+    """
+    a = sqrt_cov.to(dtype)
+    if t.dense is not None:
+        n_mat = a.T @ t.to_dense().to(dtype)
+        u, s, _ = torch.linalg.svd(n_mat)
+    else:
+        # N = A^T L^T C = Z C with Z = (L A)^T (n x r); Z = Q_Z R_Z, so N = Q_Z (R_Z C) and the SVD of the
+        # small r x n matrix R_Z C gives N's nonzero singular values and left singular vectors Q_Z U_small.
+        z = (t.left.to(dtype) @ a).T
+        q_z, r_z = torch.linalg.qr(z)
+        u_small, s, _ = torch.linalg.svd(r_z @ t.right.to(dtype), full_matrices=False)
+        u = q_z @ u_small
+    a_u = a @ u
+    a_new = a + (a_u * (root_scale(s) - 1.0)) @ u.T
+    return a_new.to(sqrt_cov.dtype)

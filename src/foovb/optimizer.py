@@ -1,0 +1,329 @@
+"""FOO-VB as a `torch.optim.Optimizer` (paper, Algorithm 1 with the families of Algorithms 2-4).
+
+Each step draws K networks theta_k = mu + A eps_k from the current posterior (the prior of this mini-batch),
+evaluates the gradients of the mini-batch loss L_n at each of them, and applies one fixed-point iteration.
+
+The loss convention matters: L_n is the mini-batch's *summed* negative log-likelihood (the paper's cumulative
+cost, footnote of Eq. "variational bayes"). With `loss_reduction="sum"` the closure must return a summed loss;
+with `loss_reduction="mean"` it returns a mean and the optimizer multiplies the gradients by the batch size
+(pass `batch_size=` to `step`). A mean loss with the "sum" setting would shrink every update by the batch
+size; there is no silent default for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .posteriors import FAMILIES, DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, PosteriorView
+from .sampled import SampledNetwork, check_batched_support
+
+__all__ = ["FOOVB"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 of a tuple: the seed of one (step, block, sample) noise stream."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h & ((1 << 63) - 1)
+
+
+class FOOVB(torch.optim.Optimizer):
+    """Fixed-point Operator for Online Variational Bayes.
+
+    Args:
+        model: the network. Its parameters are the posterior means; after every step they hold the mean.
+        posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
+            Algorithm 3, per nn.Linear / nn.Conv2d; other parameters fall back to diagonal) or "full"
+            (multivariate, Algorithm 2, one full covariance per module; small layers only).
+        mc_samples: K, Monte Carlo samples per step.
+        std_init: initial posterior std of the diagonal and full families (paper: 0.047 discrete,
+            0.06 continuous permuted MNIST).
+        alpha: matrix-variate initialisation split (Implementation details): the mean carries a fraction
+            alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest.
+        mean_step: multiplier eta of the mean update mu <- mu - eta Sigma E[g]. The paper uses 1;
+            other values are an extension.
+        loss_reduction: "sum" (the closure returns the summed NLL of the batch, the paper's L_n) or "mean".
+        init: "paper" initialises the means as in the paper's appendix (Linear/Conv weights
+            N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "keep" uses the
+            model's current parameters as the prior mean.
+        max_full_params: largest block for the full family (its square root of the covariance is d x d).
+        seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        posterior: str = "diagonal",
+        mc_samples: int = 10,
+        *,
+        std_init: float = 0.047,
+        alpha: float = 0.5,
+        mean_step: float = 1.0,
+        loss_reduction: str = "sum",
+        init: str = "paper",
+        max_full_params: int = 4096,
+        seed: int | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if posterior not in FAMILIES:
+            raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+        if not (math.isfinite(std_init) and std_init > 0):
+            raise ValueError(f"std_init must be positive and finite, got {std_init!r}")
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+        if not (math.isfinite(mean_step) and mean_step > 0):
+            raise ValueError(f"mean_step must be positive and finite, got {mean_step!r}")
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        if init not in ("paper", "keep"):
+            raise ValueError(f"init must be 'paper' or 'keep', got {init!r}")
+        if max_full_params < 1:
+            raise ValueError(f"max_full_params must be positive, got {max_full_params!r}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no trainable parameters")
+        defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
+                        mean_step=mean_step, loss_reduction=loss_reduction)
+        super().__init__(params, defaults)
+        self.model = model
+        self.mc_samples = mc_samples
+        self.mean_step = mean_step
+        self.loss_reduction = loss_reduction
+        self.posterior_family = posterior
+        self.steps_taken = 0
+        self.process_group = None  # set by foovb.distributed.distribute
+        self.generator = torch.Generator()
+        self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
+        if init == "paper" and posterior != "kronecker":
+            self._paper_init(model)
+        self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params)
+        self.load_mean_into_model()
+
+    # -- construction ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _paper_init(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(module.weight)
+                std = math.sqrt(2.0 / (fan_in + fan_out))
+                module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+    def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
+                     max_full_params: int) -> list[PosteriorBlock]:
+        blocks: list[PosteriorBlock] = []
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not direct:
+                continue
+            if any(id(p) in seen for p in direct):
+                raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
+                                 "not supported: each parameter needs one posterior)")
+            seen.update(id(p) for p in direct)
+            if posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d)):
+                if module.bias is not None and not module.bias.requires_grad:
+                    raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
+                blocks.append(KroneckerBlock(module, self.state[module.weight], alpha, self.generator, init))
+            elif posterior == "full":
+                size = sum(p.numel() for p in direct)
+                if size > max_full_params:
+                    need = 3 * size * size * direct[0].element_size()
+                    raise ValueError(
+                        f"module {name!r} has {size} parameters: a full covariance needs a {size} x {size} "
+                        f"square root (~{need / 2**30:.2f} GiB with the update's workspace), above "
+                        f"max_full_params={max_full_params}; use posterior='kronecker' or 'diagonal', or "
+                        "raise max_full_params"
+                    )
+                blocks.append(FullBlock(direct, self.state[direct[0]], std_init, module))
+            else:
+                blocks.extend(DiagonalBlock(p, self.state[p], std_init, module) for p in direct)
+        return blocks
+
+    # -- the posterior ---------------------------------------------------------------------------------------
+    def posterior(self, param: Tensor) -> PosteriorView:
+        """Mean, marginal std and dense covariance of one model parameter."""
+        for block in self.blocks:
+            for index, p in enumerate(block.params):
+                if p is param:
+                    return block.view(index)
+        raise KeyError("parameter is not optimised by this FOOVB instance")
+
+    @torch.no_grad()
+    def load_mean_into_model(self) -> None:
+        """Set every model parameter to its posterior mean."""
+        for block in self.blocks:
+            for param, mean in zip(block.params, block.mean_values(), strict=True):
+                param.copy_(mean)
+
+    def draw_noise(self, seed: int, samples: range) -> dict[PosteriorBlock, Tensor]:
+        """eps for the given sample indices, (len(samples), *noise_shape) per block.
+
+        The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
+        any chunking and any split of the samples across processes see the same draws.
+        """
+        noises = {}
+        generator = torch.Generator()
+        for index, block in enumerate(self.blocks):
+            ref = block.state["mean"]
+            out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
+            for row, k in enumerate(samples):
+                generator.manual_seed(_mix(seed, index, k))
+                torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
+            noises[block] = out.to(ref.device)
+        return noises
+
+    def _next_seed(self) -> int:
+        return int(torch.randint(2**62, (1,), generator=self.generator).item())
+
+    @contextlib.contextmanager
+    def sampled_weights(self, seed: int | None = None) -> Iterator[None]:
+        """Load one network theta = mu + A eps into the model for the duration of the block (restored after)."""
+        noises = self.draw_noise(self._next_seed() if seed is None else seed, range(1))
+        try:
+            self._load_sample(noises, 0)
+            yield
+        finally:
+            self.load_mean_into_model()
+
+    @torch.no_grad()
+    def _load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
+        for block, noise in noises.items():
+            for param, value in zip(block.params, block.sample(noise[row : row + 1]), strict=True):
+                param.copy_(value[0])
+
+    # -- training --------------------------------------------------------------------------------------------
+    def _grad_scale(self, batch_size: int | None) -> float:
+        if self.loss_reduction == "sum":
+            return 1.0
+        if batch_size is None or batch_size < 1:
+            raise ValueError("loss_reduction='mean' needs step(closure, batch_size=...) to rescale the "
+                             "gradients to the summed loss L_n")
+        return float(batch_size)
+
+    def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> float:
+        """One FOO-VB step with K sequential Monte Carlo samples (one network in memory at a time).
+
+        `closure` runs forward and backward on the model's current weights and returns the loss; it is called
+        K times, each time with a fresh sample loaded into the model. Returns the mean loss over the samples.
+        """
+        if closure is None:
+            raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss")
+        grad_scale = self._grad_scale(batch_size)
+        seed = self._next_seed()
+        stats = {block: block.new_statistics() for block in self.blocks}
+        losses = []
+        try:
+            for k in range(self.mc_samples):
+                noises = self.draw_noise(seed, range(k, k + 1))
+                self._load_sample(noises, 0)
+                for block in self.blocks:
+                    for p in block.params:
+                        p.grad = None
+                with torch.enable_grad():
+                    losses.append(float(closure().detach()))
+                for block in self.blocks:
+                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
+                             for p in block.params]
+                    block.accumulate(stats[block], noises[block], grads)
+        finally:
+            self.load_mean_into_model()
+        self._apply_update(stats, losses, self.mc_samples)
+        return sum(losses) / len(losses)
+
+    def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+                     *, chunk_size: int | None = None) -> float:
+        """One FOO-VB step evaluating the K samples together (batched matmuls; nn.Linear / nn.Conv2d models).
+
+        Args:
+            inputs, targets: the mini-batch (r rows).
+            loss_fn: loss_fn(outputs, targets) with the reduction declared in `loss_reduction`; it is applied
+                to the K stacked outputs (K r rows) and targets repeated K times. Default: cross-entropy.
+            chunk_size: samples evaluated per pass (bounds memory to chunk_size networks); default all K.
+        Returns the mean loss over the samples. Gives the same update as `step` for the same seed.
+        """
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+        check_batched_support(self.blocks)
+        if loss_fn is None:
+            loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=self.loss_reduction)  # noqa: E731
+        rows = inputs.shape[0]
+        if targets.shape[0] != rows:
+            raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
+        chunk = self.mc_samples if chunk_size is None else min(chunk_size, self.mc_samples)
+        seed = self._next_seed()
+        modules: dict[nn.Module, list[PosteriorBlock]] = {}
+        for block in self.blocks:
+            modules.setdefault(block.module, []).append(block)
+        stats = {block: block.new_statistics() for block in self.blocks}
+        shared_inputs: dict = {}
+        losses = []
+        for start in range(0, self.mc_samples, chunk):
+            samples = range(start, min(start + chunk, self.mc_samples))
+            c = len(samples)
+            noises = self.draw_noise(seed, samples)
+            with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
+                with torch.enable_grad():
+                    outputs = self.model(inputs)
+                    loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
+                    # sum: d(sum_k L_k)/d theta_k = g_k; mean over c r rows: scale back to the summed loss
+                    grad_scale = 1.0 if self.loss_reduction == "sum" else float(c * rows)
+                    loss.backward()
+                network.accumulate(stats, grad_scale, shared_inputs)
+            value = float(loss.detach())
+            per_sample = value / c if self.loss_reduction == "sum" else value
+            losses.extend([per_sample] * c)
+        self._apply_update(stats, losses, self.mc_samples)
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> None:
+        """Check the statistics, all-reduce them under torch.distributed, then UPDATE every block."""
+        if self.process_group is not None:
+            from .distributed import all_reduce_statistics
+
+            stats, num_samples, losses = all_reduce_statistics(self, stats, num_samples, losses)
+        bad = [b for b in self.blocks if not all(torch.isfinite(t).all() for t in b.stats_tensors(stats[b]))]
+        if bad or not all(math.isfinite(v) for v in losses):
+            where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
+            raise FloatingPointError(
+                f"non-finite values in {where} at step {self.steps_taken}; the posterior was left unchanged")
+        for block in self.blocks:
+            block.update(stats[block], num_samples, self.mean_step)
+        self.load_mean_into_model()
+        self.steps_taken += 1
+
+    # -- persistence -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("foovb")
+        super().load_state_dict(state_dict)
+        self.generator.set_state(extra["generator"])
+        self.steps_taken = extra["steps_taken"]
+        for block in self.blocks:
+            loaded = self.state[block.params[0]]
+            block.state.clear()
+            block.state.update(loaded)
+            self.state[block.params[0]] = block.state
+        self.load_mean_into_model()
+

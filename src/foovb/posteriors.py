@@ -1,0 +1,304 @@
+"""The three Gaussian posterior families of FOO-VB (paper, Section 3), one object per block of parameters.
+
+A *block* is the unit whose posterior is independent of the others (the paper factors the covariance between
+layers): a single parameter tensor (diagonal), a Linear/Conv2d layer's weight with its bias as an extra input
+column (matrix-variate), or all parameters of one module flattened (full covariance).
+
+Each block implements the two methods of Algorithm 1: `sample` (TRANSFORM: theta = mu + A eps) and `update`
+(UPDATE, from the Monte Carlo sums accumulated by `accumulate`). Its tensors live in a dict that the optimizer
+keeps in `Optimizer.state`, so `state_dict()` saves them.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .linalg import LowRank, root_scale, sqrt_covariance_update
+
+__all__ = [
+    "PosteriorBlock",
+    "DiagonalBlock",
+    "KroneckerBlock",
+    "FullBlock",
+    "PosteriorView",
+    "FAMILIES",
+]
+
+
+@dataclass(frozen=True)
+class PosteriorView:
+    """The posterior of one parameter tensor: `mean` and marginal `std` in the parameter's shape, and
+    `covariance()`, the dense covariance of `param.flatten()` (numel x numel; for small parameters)."""
+
+    mean: Tensor
+    std: Tensor
+    _covariance: object
+
+    def covariance(self) -> Tensor:
+        return self._covariance()
+
+
+def signed_root_scale(x: Tensor) -> Tensor:
+    """sqrt(1 + x^2/4) - x/2 for x of any sign, evaluated without cancellation."""
+    positive = root_scale(x.abs())
+    return torch.where(x >= 0, positive, 1.0 / positive)
+
+
+class PosteriorBlock(ABC):
+    """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
+
+    family: str
+
+    def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None):
+        self.params = tuple(params)
+        self.state = state
+        self.module = module
+
+    # -- Algorithm 1, step 1 & 2 -----------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def noise_shape(self) -> tuple[int, ...]:
+        """Shape of one draw of eps."""
+
+    @abstractmethod
+    def sample(self, noise: Tensor) -> list[Tensor]:
+        """TRANSFORM: per-parameter sampled values, each (K, *param.shape), from noise (K, *noise_shape)."""
+
+    # -- Algorithm 1, step 4 -----------------------------------------------------------------------------
+    @abstractmethod
+    def new_statistics(self) -> dict:
+        """Empty Monte Carlo sums."""
+
+    @abstractmethod
+    def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        """Add K samples' contributions; grads[i] is (K, *params[i].shape), the gradient of L_n at theta_k."""
+
+    @abstractmethod
+    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+        """UPDATE: one fixed-point iteration from the sums over num_samples draws."""
+
+    # -- the posterior -------------------------------------------------------------------------------------
+    @abstractmethod
+    def mean_values(self) -> list[Tensor]:
+        """Posterior means in the parameters' shapes."""
+
+    @abstractmethod
+    def view(self, index: int) -> PosteriorView:
+        """The posterior of params[index]."""
+
+    def stats_tensors(self, stats: dict) -> list[Tensor]:
+        """The dense tensors of `stats`, in a fixed order (what distributed training all-reduces)."""
+        return [v.to_dense() if isinstance(v, LowRank) else v for v in stats.values()]
+
+    def stats_from_tensors(self, tensors: Sequence[Tensor]) -> dict:
+        keys = self.new_statistics().keys()
+        return {k: (LowRank(dense=t) if isinstance(self.new_statistics()[k], LowRank) else t)
+                for k, t in zip(keys, tensors, strict=True)}
+
+
+class DiagonalBlock(PosteriorBlock):
+    """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
+
+    family = "diagonal"
+
+    def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None):
+        super().__init__([param], state, module)
+        if not state:
+            state["mean"] = param.detach().clone()
+            state["std"] = torch.full_like(param, std_init)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return tuple(self.params[0].shape)
+
+    def sample(self, noise: Tensor) -> list[Tensor]:
+        return [torch.addcmul(self.state["mean"], self.state["std"], noise)]
+
+    def new_statistics(self) -> dict:
+        zeros = torch.zeros_like(self.state["mean"])
+        return {"grad_sum": zeros, "grad_noise_sum": zeros.clone()}
+
+    def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        (grad,) = grads
+        stats["grad_sum"] += grad.sum(0)
+        stats["grad_noise_sum"] += torch.einsum("k...,k...->...", grad, noise)
+
+    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+        std = self.state["std"]
+        grad_mean = stats["grad_sum"] / num_samples  # E1
+        grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
+        # mu <- mu - sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma E[g eps] / 2)^2) - sigma^2 E[g eps] / 2
+        self.state["mean"].sub_(mean_step * std.square() * grad_mean)
+        std.mul_(signed_root_scale(std * grad_noise_mean))
+
+    def mean_values(self) -> list[Tensor]:
+        return [self.state["mean"]]
+
+    def view(self, index: int) -> PosteriorView:
+        std = self.state["std"]
+        return PosteriorView(self.state["mean"], std, lambda: torch.diag(std.flatten().square()))
+
+
+class KroneckerBlock(PosteriorBlock):
+    """Matrix-variate Gaussian over a Linear/Conv2d layer (Algorithm 3).
+
+    The weight, reshaped to p x n_in (conv: out x in*kh*kw), with the bias appended as an extra input column,
+    is W = M + B Phi A^T: `input_sqrt_cov` A (n x n, Sigma_1 = A A^T) and `output_sqrt_cov` B (p x p,
+    Sigma_2 = B B^T). Layers without bias use n = n_in.
+    """
+
+    family = "kronecker"
+
+    def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
+                 init: str):
+        params = [module.weight] + ([module.bias] if module.bias is not None else [])
+        super().__init__(params, state, module)
+        weight = module.weight
+        self.out_features = weight.shape[0]
+        self.in_features = weight[0].numel()
+        self.has_bias = module.bias is not None
+        n = self.in_features + int(self.has_bias)
+        if not state:
+            if init == "paper":
+                # Implementation details: M_ij ~ N(0, 2 alpha / (n_in + 2)); diagonal factors with
+                # (A_ii B_jj)^2 = 2 (1 - alpha) / (n_in + 2), so that Var(W_ij) = 2 / (n_in + 2).
+                mean = torch.randn(self.out_features, n, generator=generator, dtype=weight.dtype)
+                mean = mean.to(weight.device) * math.sqrt(2 * alpha / (self.in_features + 2))
+            else:
+                mean = self._stack_params()
+            scale = (2 * (1 - alpha) / (self.in_features + 2)) ** 0.25
+            state["mean"] = mean
+            state["input_sqrt_cov"] = scale * torch.eye(n, dtype=weight.dtype, device=weight.device)
+            state["output_sqrt_cov"] = scale * torch.eye(self.out_features, dtype=weight.dtype,
+                                                         device=weight.device)
+
+    def _stack_params(self) -> Tensor:
+        weight = self.params[0].detach().reshape(self.out_features, -1)
+        return torch.cat([weight, self.params[1].detach()[:, None]], 1) if self.has_bias else weight.clone()
+
+    def split(self, matrix: Tensor) -> list[Tensor]:
+        """(..., p, n) -> [weight (..., *weight.shape), bias (..., p)]."""
+        lead = matrix.shape[:-2]
+        out = [matrix[..., : self.in_features].reshape(*lead, *self.params[0].shape)]
+        if self.has_bias:
+            out.append(matrix[..., self.in_features])
+        return out
+
+    def join(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Inverse of `split`: [(K, *weight.shape), (K, p)] -> (K, p, n)."""
+        weight = tensors[0].reshape(tensors[0].shape[0], self.out_features, self.in_features)
+        return torch.cat([weight, tensors[1][..., None]], -1) if self.has_bias else weight
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return tuple(self.state["mean"].shape)
+
+    def sample(self, noise: Tensor) -> list[Tensor]:
+        a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
+        return self.split(self.state["mean"] + b @ noise @ a.T)  # W = M + B Phi A^T
+
+    def new_statistics(self) -> dict:
+        mean = self.state["mean"]
+        p = mean.shape[0]
+        return {
+            "psi_sum": torch.zeros_like(mean),
+            "psi_b_phi": LowRank(),  # sum_k Psi_k^T B Phi_k      (n x n)
+            "psi_a_phi": torch.zeros(p, p, dtype=mean.dtype, device=mean.device),  # sum_k Psi_k A Phi_k^T
+        }
+
+    def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        psi = self.join(grads)  # (K, p, n)
+        a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
+        stats["psi_sum"] += psi.sum(0)
+        stats["psi_b_phi"].add(psi.flatten(0, 1), (b @ noise).flatten(0, 1))
+        stats["psi_a_phi"] += torch.einsum("kpn,kqn->pq", psi @ a, noise)
+
+    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+        a, b, mean = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"], self.state["mean"]
+        p, n = mean.shape
+        e1 = stats["psi_sum"] / num_samples
+        e2 = stats["psi_b_phi"].scaled(1.0 / (p * num_samples))  # mean (1/p) Psi^T B Phi
+        e3 = LowRank(dense=stats["psi_a_phi"] / (n * num_samples))  # mean (1/n) Psi A Phi^T
+        # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemma 1)
+        mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
+        self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
+        self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
+
+    def mean_values(self) -> list[Tensor]:
+        return self.split(self.state["mean"])
+
+    def view(self, index: int) -> PosteriorView:
+        a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
+        variance = torch.outer(b.square().sum(1), a.square().sum(1))  # Var(W_ij) = Sigma2_ii Sigma1_jj
+        std = self.split(variance.sqrt())[index]
+        mean = self.mean_values()[index]
+
+        def covariance() -> Tensor:
+            sigma_in, sigma_out = a @ a.T, b @ b.T
+            if index == 0:  # row-major flattening of W (p x n_in): Cov(W_ij, W_kl) = Sigma2_ik Sigma1_jl
+                n_in = self.in_features
+                return torch.kron(sigma_out, sigma_in[:n_in, :n_in])
+            return sigma_out * sigma_in[-1, -1]
+
+        return PosteriorView(mean, std, covariance)
+
+
+class FullBlock(PosteriorBlock):
+    """Multivariate Gaussian with full covariance over a module's parameters (Algorithm 2)."""
+
+    family = "full"
+
+    def __init__(self, params: Sequence[nn.Parameter], state: dict, std_init: float,
+                 module: nn.Module | None = None):
+        super().__init__(params, state, module)
+        self.sizes = [p.numel() for p in self.params]
+        if not state:
+            flat = torch.cat([p.detach().flatten() for p in self.params])
+            state["mean"] = flat
+            state["sqrt_cov"] = std_init * torch.eye(flat.numel(), dtype=flat.dtype, device=flat.device)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        return (self.state["mean"].numel(),)
+
+    def split(self, flat: Tensor) -> list[Tensor]:
+        lead = flat.shape[:-1]
+        return [chunk.reshape(*lead, *p.shape) for chunk, p in zip(flat.split(self.sizes, -1), self.params,
+                                                                     strict=True)]
+
+    def sample(self, noise: Tensor) -> list[Tensor]:
+        return self.split(self.state["mean"] + noise @ self.state["sqrt_cov"].T)  # theta = mu + A eps
+
+    def new_statistics(self) -> dict:
+        return {"grad_sum": torch.zeros_like(self.state["mean"]), "grad_noise": LowRank()}
+
+    def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        flat = torch.cat([g.flatten(1) for g in grads], 1)  # (K, d)
+        stats["grad_sum"] += flat.sum(0)
+        stats["grad_noise"].add(flat, noise)  # sum_k g_k eps_k^T
+
+    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+        a = self.state["sqrt_cov"]
+        # mu <- mu - A A^T E1;  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemma 1)
+        self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
+        self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(1.0 / num_samples))
+
+    def mean_values(self) -> list[Tensor]:
+        return self.split(self.state["mean"])
+
+    def view(self, index: int) -> PosteriorView:
+        a = self.state["sqrt_cov"]
+        start = sum(self.sizes[:index])
+        rows = slice(start, start + self.sizes[index])
+        shape = self.params[index].shape
+        std = a[rows].square().sum(1).sqrt().reshape(shape)
+        return PosteriorView(self.mean_values()[index], std, lambda: a[rows] @ a[rows].T)
+
+
+FAMILIES = ("diagonal", "kronecker", "full")

@@ -1,0 +1,204 @@
+"""Evaluate many Monte Carlo samples of a network in one batched forward/backward pass.
+
+The paper's complexity appendix names two strategies: sequential samples (one network in memory) and
+parallel samples. This module is the parallel one. While `SampledNetwork` is active, every covered
+`nn.Linear` / `nn.Conv2d` computes the outputs of `c` sampled networks at once:
+
+* activations are stacked sample-major, (c * r, ...) for a batch of r rows; the input of the first layer is
+  the plain batch (r, ...) and is shared by all samples, so that layer is one GEMM/convolution against the
+  c stacked weights: (r x n) @ (n x c p);
+* diagonal / full / convolutional matrix-variate samples are materialised (c, *weight.shape) leaf tensors,
+  whose gradients are the per-sample gradients g_k;
+* matrix-variate Linear layers never form W_k = M + B Phi_k A^T (design note "Making the matrix-variate
+  update cheap"): X W_k^T = X M^T + ((X A) Phi_k^T) B^T, and the update statistics come from the layer
+  errors Delta_k = dL/dY_k, since Psi_k = Delta_k^T X:
+      sum_k Psi_k              = sum_k Delta_k^T X
+      sum_k Psi_k^T B Phi_k    = X^T (sum_k Delta_k B Phi_k)          (rank <= rows: a `LowRank`)
+      sum_k Psi_k A Phi_k^T    = sum_k Delta_k^T (X A Phi_k^T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .posteriors import KroneckerBlock, PosteriorBlock
+
+__all__ = ["SampledNetwork", "check_batched_support"]
+
+SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+def check_batched_support(blocks: Sequence[PosteriorBlock]) -> None:
+    """Raise a clear error if some parameter is not in an nn.Linear / nn.Conv2d module."""
+    bad = sorted({type(b.module).__name__ if b.module is not None else "<no module>" for b in blocks
+                  if not isinstance(b.module, SUPPORTED)})
+    if bad:
+        raise ValueError(
+            f"the batched Monte Carlo path supports parameters of nn.Linear and nn.Conv2d only, found "
+            f"parameters in {', '.join(bad)}; use the sequential path FOOVB.step(closure) for this model"
+        )
+    for block in blocks:
+        if isinstance(block.module, nn.Conv2d) and block.module.padding_mode != "zeros":
+            raise ValueError("the batched Monte Carlo path supports Conv2d with padding_mode='zeros' only")
+
+
+def _unstack(y: Tensor, c: int, r: int) -> Tensor:
+    """(r, c * p, ...) -> (c * r, p, ...): from the shared-input layout to sample-major rows."""
+    return y.unflatten(1, (c, -1)).transpose(0, 1).flatten(0, 1)
+
+
+class _Layer:
+    """Patched forward of one module with its blocks' samples for the current chunk."""
+
+    def __init__(self, module: nn.Module, blocks: list[PosteriorBlock], noises: list[Tensor], c: int, r: int,
+                 track_grad: bool):
+        self.module, self.blocks, self.noises, self.c, self.r = module, blocks, noises, c, r
+        self.factored = isinstance(module, nn.Linear) and isinstance(blocks[0], KroneckerBlock)
+        self.saved: dict[str, Tensor] = {}
+        if not self.factored:
+            values = {}
+            with torch.no_grad():
+                for block, noise in zip(blocks, noises, strict=True):
+                    for param, value in zip(block.params, block.sample(noise), strict=True):
+                        values[param] = value.requires_grad_(track_grad)
+            self.weight = values[module.weight]
+            self.bias = values.get(module.bias) if module.bias is not None else None
+            self.values = values
+        self.track_grad = track_grad
+
+    def layout_is_shared(self, x: Tensor) -> bool:
+        if x.shape[0] == self.c * self.r:
+            return False
+        if x.shape[0] == self.r:
+            return True
+        raise ValueError(f"{type(self.module).__name__} got {x.shape[0]} rows; expected the batch ({self.r}) "
+                         f"or {self.c} stacked samples of it ({self.c * self.r})")
+
+    def forward(self, x: Tensor) -> Tensor:
+        shared = self.layout_is_shared(x) and self.c > 1
+        if self.factored:
+            return self._kronecker_linear(x, shared)
+        if isinstance(self.module, nn.Linear):
+            return self._linear(x, shared)
+        return self._conv(x, shared)
+
+    def _linear(self, x: Tensor, shared: bool) -> Tensor:
+        c, r = self.c, self.r
+        if x.ndim != 2:
+            raise ValueError("the batched path supports 2-D inputs to nn.Linear; use FOOVB.step(closure)")
+        w, b = self.weight, self.bias
+        if shared:
+            y = x @ w.flatten(0, 1).T
+            if b is not None:
+                y = y + b.flatten()
+            return _unstack(y, c, r)
+        y = x.view(c, r, -1) @ w.transpose(1, 2)
+        if b is not None:
+            y = y + b[:, None, :]
+        return y.flatten(0, 1)
+
+    def _conv(self, x: Tensor, shared: bool) -> Tensor:
+        c, r, m = self.c, self.r, self.module
+        w, b = self.weight.flatten(0, 1), None if self.bias is None else self.bias.flatten()
+        if shared and m.groups == 1:
+            y = F.conv2d(x, w, b, m.stride, m.padding, m.dilation, 1)
+        else:
+            stacked = x.expand(c, *x.shape) if shared else x.view(c, r, *x.shape[1:])
+            grouped = stacked.transpose(0, 1).flatten(1, 2)  # (r, c * C, H, W)
+            y = F.conv2d(grouped, w, b, m.stride, m.padding, m.dilation, c * m.groups)
+        return _unstack(y, c, r)
+
+    def _kronecker_linear(self, x: Tensor, shared: bool) -> Tensor:
+        block: KroneckerBlock = self.blocks[0]
+        (phi,) = self.noises
+        c, r = self.c, self.r
+        if x.ndim != 2:
+            raise ValueError("the batched path supports 2-D inputs to nn.Linear; use FOOVB.step(closure)")
+        mean, a, b = (block.state[k] for k in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
+        n_in = block.in_features
+        bias_mean = mean[:, n_in] if block.has_bias else None
+        rows = x if shared else x.view(c, r, n_in)
+        mean_out = F.linear(rows, mean[:, :n_in], bias_mean)
+        x_a = rows @ a[:n_in]  # X A with the bias column: X_aug A = X A[:n_in] + A[n_in]
+        if block.has_bias:
+            x_a = x_a + a[n_in]
+        if shared:  # (r, n) @ (n, c p): one GEMM for all samples
+            noise_pre = (x_a @ phi.flatten(0, 1).T).unflatten(1, (c, -1)).transpose(0, 1)
+        else:
+            noise_pre = x_a @ phi.transpose(1, 2)
+        y = mean_out + noise_pre @ b.T  # (c, r, p)
+        if self.track_grad:
+            self.saved = {"x": rows.detach(), "noise_pre": noise_pre.detach()}
+            if not y.requires_grad:  # first layer: nothing upstream needs gradients, but Delta_k does
+                y.requires_grad_()
+            y.register_hook(self._save_delta)
+        return y.flatten(0, 1)
+
+    def _save_delta(self, grad: Tensor) -> None:
+        self.saved["delta"] = grad
+
+    def accumulate(self, stats: dict[PosteriorBlock, dict], grad_scale: float, shared_inputs: dict) -> None:
+        if not self.factored:
+            for block, noise in zip(self.blocks, self.noises, strict=True):
+                grads = []
+                for param in block.params:
+                    grad = self.values[param].grad
+                    grads.append(torch.zeros_like(self.values[param]) if grad is None else grad * grad_scale)
+                block.accumulate(stats[block], noise, grads)
+            return
+        block: KroneckerBlock = self.blocks[0]
+        if "delta" not in self.saved:
+            raise RuntimeError(f"no gradient reached {type(self.module).__name__}: is its output used by the loss?")
+        (phi,) = self.noises
+        delta, x, noise_pre = self.saved["delta"] * grad_scale, self.saved["x"], self.saved["noise_pre"]
+        s, b = stats[block], block.state["output_sqrt_cov"]
+        shared = x.ndim == 2
+        key = (x.data_ptr(), tuple(x.shape), block.has_bias)
+        x_aug = shared_inputs.get(key) if shared else None
+        if x_aug is None:
+            x_aug = torch.cat([x, torch.ones_like(x[..., :1])], -1) if block.has_bias else x
+            if shared:  # the same batch in every chunk: LowRank sums the right factors
+                shared_inputs[key] = x_aug
+        delta_b_phi = (delta @ b) @ phi  # (c, r, n)
+        if shared:
+            delta_sum = delta.sum(0)
+            s["psi_sum"] += delta_sum.T @ x_aug
+            s["psi_b_phi"].add(x_aug, delta_b_phi.sum(0))
+        else:
+            flat_delta = delta.flatten(0, 1)
+            s["psi_sum"] += flat_delta.T @ x_aug.flatten(0, 1)
+            s["psi_b_phi"].add(x_aug.flatten(0, 1), delta_b_phi.flatten(0, 1))
+        s["psi_a_phi"] += torch.einsum("kri,krj->ij", delta, noise_pre)
+
+
+class SampledNetwork:
+    """Context manager: inside it, `model(x)` returns the outputs of c sampled networks, stacked (c * r, ...).
+
+    Args:
+        modules: module -> the posterior blocks covering its parameters.
+        noises: block -> noise (c, *block.noise_shape).
+        c: number of samples in this pass; r: batch rows.
+        track_grad: record what the update statistics need (training); False for prediction.
+    """
+
+    def __init__(self, modules: dict[nn.Module, list[PosteriorBlock]], noises: dict[PosteriorBlock, Tensor],
+                 c: int, r: int, track_grad: bool):
+        self.layers = [_Layer(module, blocks, [noises[b] for b in blocks], c, r, track_grad)
+                       for module, blocks in modules.items()]
+
+    def __enter__(self) -> SampledNetwork:
+        for layer in self.layers:
+            layer.module.forward = layer.forward
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.layers:
+            del layer.module.forward  # back to the class's forward
+
+    def accumulate(self, stats: dict[PosteriorBlock, dict], grad_scale: float, shared_inputs: dict) -> None:
+        for layer in self.layers:
+            layer.accumulate(stats, grad_scale, shared_inputs)
