@@ -1,0 +1,504 @@
+"""Point-estimate baseline learners for the continual-learning comparison (paper, "Applications and
+Experiments" and appendix "Implementation details").
+
+All learners implement the ``Learner`` protocol of docs/ARCHITECTURE.md: ``observe(x, y, task=None)`` takes
+one optimiser step on the batch and returns its cross-entropy, ``predict(x, task=None)`` returns softmax
+probabilities (``Predictions.mean`` only), ``state_dict()`` / ``load_state_dict()`` round-trip the model,
+the optimiser and the method's own state exactly, so an interrupted run resumes bit-for-bit.
+
+Multi-head (task-aware) models return all heads' logits concatenated ``(r, num_heads * C)``; with
+``num_heads > 1`` the learner uses the slice ``[:, task * C:(task + 1) * C]`` of the given task for both the
+loss and the prediction.
+
+* ``SGDLearner``, ``AdamLearner``, ``AdagradLearner``: plain optimisers (defaults: the paper's best learning
+  rates on discrete permuted MNIST, appendix table "Adam, SGD and Adagrad").
+* ``OnlineEWCLearner``, ``MASLearner``: consolidation taken at every iteration instead of at task switches,
+  the task-agnostic adaptation used in the paper (section "Inapplicability of other CL algorithms").
+* ``SILearner``: Synaptic Intelligence, task-aware (consolidates when the task id changes).
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from foovb.metrics import Predictions
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adagrad": torch.optim.Adagrad,
+}
+
+
+def _require_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _require_non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def _copy_tensors_into(target: dict[str, Tensor], source: dict[str, Tensor], what: str) -> None:
+    """Copy ``source`` into the existing tensors of ``target`` (same names and shapes required)."""
+    if source.keys() != target.keys():
+        raise ValueError(
+            f"{what}: parameter names {sorted(source)} do not match the model's {sorted(target)}"
+        )
+    for name, tensor in target.items():
+        if source[name].shape != tensor.shape:
+            raise ValueError(f"{what}[{name!r}]: shape {tuple(source[name].shape)} != {tuple(tensor.shape)}")
+        tensor.copy_(source[name])
+
+
+class BaselineLearner:
+    """Shared machinery: head slicing, cross-entropy loss, optimiser step, prediction and state.
+
+    Args:
+        model: maps inputs to logits ``(r, num_heads * classes_per_head)``.
+        lr: learning rate of the optimiser.
+        optimizer: one of ``OPTIMIZERS`` ("sgd", "adam", "adagrad"), torch defaults otherwise.
+        num_heads: number of task heads of a multi-head model (1: a single shared head).
+        classes_per_head: classes of each head; ``None`` infers ``logits.shape[1] // num_heads``.
+    """
+
+    name = "baseline"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        optimizer: str = "sgd",
+        num_heads: int = 1,
+        classes_per_head: int | None = None,
+    ) -> None:
+        _require_positive("lr", lr)
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+        if not (isinstance(num_heads, int) and num_heads >= 1):
+            raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+        if classes_per_head is not None and not (isinstance(classes_per_head, int) and classes_per_head >= 1):
+            raise ValueError(f"classes_per_head must be None or an integer >= 1, got {classes_per_head!r}")
+        self.model = model
+        self.num_heads = num_heads
+        self.classes_per_head = classes_per_head
+        self.trainable_parameters: dict[str, nn.Parameter] = {
+            name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad
+        }
+        self.optimizer = OPTIMIZERS[optimizer](self.trainable_parameters.values(), lr=lr)
+
+    def _head_logits(self, logits: Tensor, task: int | None) -> Tensor:
+        """The logits of ``task``'s head (all logits for a single-head model)."""
+        if self.num_heads == 1:
+            return logits
+        if task is None:
+            raise ValueError(f"a multi-head model (num_heads={self.num_heads}) needs the task id")
+        if not 0 <= task < self.num_heads:
+            raise ValueError(f"task {task} out of range for num_heads={self.num_heads}")
+        width = self.classes_per_head or logits.shape[1] // self.num_heads
+        if width * self.num_heads != logits.shape[1]:
+            raise ValueError(
+                f"model returns {logits.shape[1]} logits, expected num_heads * classes_per_head = "
+                f"{self.num_heads} * {width}"
+            )
+        return logits[:, task * width : (task + 1) * width]
+
+    def _training_loss(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
+        """Train-mode forward pass: ``(head logits, mean cross-entropy over the batch)``."""
+        self.model.train()
+        logits = self._head_logits(self.model(x), task)
+        return logits, F.cross_entropy(logits, y)
+
+    def _parameter_snapshot(self) -> dict[str, Tensor]:
+        return {name: parameter.detach().clone() for name, parameter in self.trainable_parameters.items()}
+
+    def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
+        """One optimiser step on the batch's mean cross-entropy; returns that cross-entropy."""
+        _, data_loss = self._training_loss(x, y, task)
+        self.optimizer.zero_grad()
+        data_loss.backward()
+        self.optimizer.step()
+        return data_loss.item()
+
+    def predict(self, x: Tensor, task: int | None = None) -> Predictions:
+        """Softmax probabilities of the (task head of the) model, in eval mode without gradients."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self._head_logits(self.model(x), task)
+        finally:
+            self.model.train(was_training)
+        return Predictions(mean=torch.softmax(logits, dim=1))
+
+    def _method_state(self) -> dict[str, Any]:
+        """State of the continual-learning method beyond model and optimiser (none for plain optimisers)."""
+        return {}
+
+    def _load_method_state(self, state: dict[str, Any]) -> None:
+        """Inverse of ``_method_state``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimiser and method state; tensors are live references, as in ``torch``'s state dicts."""
+        return {
+            "learner": self.name,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "method": self._method_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` of a learner of the same kind on the same architecture."""
+        if state.get("learner") != self.name:
+            raise ValueError(f"state of learner {state.get('learner')!r} cannot be loaded into {self.name!r}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_method_state(state["method"])
+
+
+class SGDLearner(BaselineLearner):
+    """Plain SGD (default lr 0.001, best on discrete permuted MNIST in the paper's search)."""
+
+    name = "sgd"
+
+    def __init__(
+        self, model: nn.Module, lr: float = 0.001, num_heads: int = 1, classes_per_head: int | None = None
+    ) -> None:
+        super().__init__(model, lr, "sgd", num_heads, classes_per_head)
+
+
+class AdamLearner(BaselineLearner):
+    """Adam, betas (0.9, 0.999), eps 1e-8 (default lr 0.0001, best on discrete permuted MNIST)."""
+
+    name = "adam"
+
+    def __init__(
+        self, model: nn.Module, lr: float = 0.0001, num_heads: int = 1, classes_per_head: int | None = None
+    ) -> None:
+        super().__init__(model, lr, "adam", num_heads, classes_per_head)
+
+
+class AdagradLearner(BaselineLearner):
+    """Adagrad (default lr 0.001, best on discrete permuted MNIST)."""
+
+    name = "adagrad"
+
+    def __init__(
+        self, model: nn.Module, lr: float = 0.001, num_heads: int = 1, classes_per_head: int | None = None
+    ) -> None:
+        super().__init__(model, lr, "adagrad", num_heads, classes_per_head)
+
+
+class PerIterationConsolidationLearner(BaselineLearner, ABC):
+    """Quadratic-penalty method whose consolidation is taken at every iteration (task-agnostic adaptation).
+
+    The regulariser is ``1/2 * sum_k curvature_scale * I_k * (theta_k - anchor_k)^2`` with a running
+    importance ``I`` and the anchor set to the current parameters after every step. Each ``observe``, with
+    ``theta_t`` the parameters before the step and ``lr`` the optimiser's learning rate:
+
+    1. ``I_batch`` = the method's importance of this batch at ``theta_t`` (same forward pass);
+    2. ``theta'`` = optimiser step on the batch cross-entropy;
+    3. ``theta_{t+1} = theta' - (theta' - theta_t) * a / (1 + a)`` with ``a = lr * curvature_scale * I``;
+    4. ``I <- gamma * I + I_batch``; anchor ``<- theta_{t+1}``.
+
+    Why step 3: since the anchor equals the current parameters, the penalty's gradient at the start of every
+    step is exactly zero, and adding the penalty to the loss would leave plain SGD. The penalty is instead
+    applied through its proximal operator (forward-backward splitting, step size ``lr``). For SGD step 3 is
+    the exact minimiser of ``g.(theta - theta_t) + |theta - theta_t|^2 / (2 lr) + penalty(theta)``, i.e.
+    ``theta_{t+1} = theta_t - lr * g / (1 + lr * curvature_scale * I)``: important weights move less, and the
+    step tends to an online-Newton step as the importance accumulates. With ``reg = 0`` (or before any
+    importance has accumulated) step 3 changes nothing, exactly.
+
+    Args:
+        reg: regularisation coefficient (>= 0).
+        gamma: decay of the running importance per iteration, in ``(0, 1]`` (1: plain accumulation).
+        Other arguments as ``BaselineLearner``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        reg: float,
+        gamma: float = 1.0,
+        optimizer: str = "sgd",
+        num_heads: int = 1,
+        classes_per_head: int | None = None,
+    ) -> None:
+        super().__init__(model, lr, optimizer, num_heads, classes_per_head)
+        _require_non_negative("reg", reg)
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+        self.reg = reg
+        self.gamma = gamma
+        self.importance: dict[str, Tensor] = {
+            name: torch.zeros_like(parameter) for name, parameter in self.trainable_parameters.items()
+        }
+
+    @property
+    @abstractmethod
+    def curvature_scale(self) -> float:
+        """Factor ``s`` of the penalty ``1/2 * s * sum_k I_k (theta_k - anchor_k)^2``."""
+
+    @abstractmethod
+    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
+        """This batch's importance per parameter name, from the train-mode head ``logits`` at ``theta_t``."""
+
+    def _gradients_keeping_graph(self, objective: Tensor) -> dict[str, Tensor]:
+        """Gradient of ``objective`` per parameter name (zeros where unused); the graph is kept."""
+        gradients = torch.autograd.grad(
+            objective, list(self.trainable_parameters.values()), retain_graph=True, allow_unused=True
+        )
+        return {
+            name: torch.zeros_like(parameter) if gradient is None else gradient
+            for (name, parameter), gradient in zip(self.trainable_parameters.items(), gradients, strict=True)
+        }
+
+    def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
+        """One proximal consolidation step (class docstring, steps 1-4); returns the batch cross-entropy."""
+        logits, data_loss = self._training_loss(x, y, task)
+        batch_importance = self._batch_importance(logits)
+        anchor = self._parameter_snapshot()
+        self.optimizer.zero_grad()
+        data_loss.backward()
+        self.optimizer.step()
+        learning_rates = {
+            id(parameter): group["lr"]
+            for group in self.optimizer.param_groups
+            for parameter in group["params"]
+        }
+        with torch.no_grad():
+            for name, parameter in self.trainable_parameters.items():
+                stiffness = learning_rates[id(parameter)] * self.curvature_scale * self.importance[name]
+                parameter.sub_((parameter - anchor[name]) * (stiffness / (1 + stiffness)))
+                self.importance[name].mul_(self.gamma).add_(batch_importance[name])
+        return data_loss.item()
+
+    def _method_state(self) -> dict[str, Any]:
+        return {"importance": self.importance}
+
+    def _load_method_state(self, state: dict[str, Any]) -> None:
+        _copy_tensors_into(self.importance, state["importance"], "importance")
+
+
+class OnlineEWCLearner(PerIterationConsolidationLearner):
+    """Online EWC (Schwarz et al. 2018, "Progress & Compress", eq. 8; Chaudhry et al. 2018, "Riemannian
+    walk", EWC++) with the consolidation taken at every iteration (task-agnostic adaptation of the paper).
+
+    Penalty ``reg/2 * sum_k F_k (theta_k - theta*_k)^2`` (``curvature_scale = reg``), applied by the
+    per-iteration proximal rule of ``PerIterationConsolidationLearner``; running Fisher
+    ``F <- gamma * F + F_batch``, anchor ``theta* <- theta`` after every step.
+
+    ``F_batch`` is the diagonal Fisher information *per sample*, estimated from one backward pass: labels
+    ``y_hat_n ~ p(. | x_n, theta_t)`` are sampled from the model (true Fisher, not the empirical one) and
+    ``F_batch = B * (grad_theta (1/B) sum_n log p(y_hat_n | x_n, theta_t))^2``. Sampled labels make the scores
+    zero-mean and independent across samples, so this is an unbiased estimate of the mean per-sample squared
+    score ``(1/B) sum_n (grad log p(y_hat_n | x_n))^2``. Normalising per sample makes ``F`` independent of the
+    batch size: after ``n`` iterations ``F`` is about ``n`` single-sample Fishers, and ``reg`` scales that
+    evidence (the paper's best values were 10 with lr 0.001 on discrete, 0.1 with lr 0.01 on continuous
+    permuted MNIST). The labels are drawn from the learner's own generator (seeded by ``seed``, saved in
+    ``state_dict``), so the global random stream is untouched and resumed runs are exact.
+    """
+
+    name = "ewc_online"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.001,
+        reg: float = 10.0,
+        gamma: float = 1.0,
+        optimizer: str = "sgd",
+        num_heads: int = 1,
+        classes_per_head: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(model, lr, reg, gamma, optimizer, num_heads, classes_per_head)
+        device = next(iter(self.trainable_parameters.values())).device
+        self.label_generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def curvature_scale(self) -> float:
+        return self.reg
+
+    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
+        probabilities = torch.softmax(logits.detach(), dim=1)
+        sampled_labels = torch.multinomial(probabilities, 1, generator=self.label_generator).squeeze(1)
+        mean_log_likelihood = -F.cross_entropy(logits, sampled_labels)
+        batch_size = logits.shape[0]
+        return {
+            name: batch_size * gradient.square()
+            for name, gradient in self._gradients_keeping_graph(mean_log_likelihood).items()
+        }
+
+    def _method_state(self) -> dict[str, Any]:
+        return {**super()._method_state(), "label_generator": self.label_generator.get_state()}
+
+    def _load_method_state(self, state: dict[str, Any]) -> None:
+        super()._load_method_state(state)
+        self.label_generator.set_state(state["label_generator"])
+
+
+class MASLearner(PerIterationConsolidationLearner):
+    """Memory Aware Synapses (Aljundi et al. 2018, eq. 2-4) with per-iteration consolidation.
+
+    Importance ``Omega_batch = | grad_theta (1/B) sum_n ||f(x_n; theta_t)||_2^2 |`` with ``f`` the (task-head)
+    logits: the sensitivity of the squared L2 norm of the output, from the batch-mean gradient (as in the
+    Continual-Learning-Benchmark implementation of Hsu et al. 2018) instead of per-sample absolute gradients.
+    ``Omega <- gamma * Omega + Omega_batch`` every iteration, anchor ``theta* <- theta`` after every step;
+    penalty ``reg * sum_k Omega_k (theta_k - theta*_k)^2`` (``curvature_scale = 2 * reg``), applied by the
+    proximal rule of ``PerIterationConsolidationLearner``. The labels do not enter the importance (MAS is
+    unsupervised).
+    """
+
+    name = "mas"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.001,
+        reg: float = 0.1,
+        gamma: float = 1.0,
+        optimizer: str = "sgd",
+        num_heads: int = 1,
+        classes_per_head: int | None = None,
+    ) -> None:
+        super().__init__(model, lr, reg, gamma, optimizer, num_heads, classes_per_head)
+
+    @property
+    def curvature_scale(self) -> float:
+        return 2.0 * self.reg
+
+    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
+        mean_squared_output_norm = logits.square().sum(dim=1).mean()
+        return {
+            name: gradient.abs()
+            for name, gradient in self._gradients_keeping_graph(mean_squared_output_norm).items()
+        }
+
+
+class SILearner(BaselineLearner):
+    """Synaptic Intelligence (Zenke et al. 2017), task-aware: needs the task id in ``observe``.
+
+    Per step (eq. 3 discretised): ``omega_k -= g_k * delta_theta_k`` with ``g`` the gradient of the
+    *unregularised* cross-entropy and ``delta_theta`` the parameter update. When the task id differs from the
+    previous call's, the finished task is consolidated (eq. 5):
+    ``Omega_k += max(0, omega_k / (Delta_k^2 + xi))`` with ``Delta`` the parameter change over that task,
+    then ``omega <- 0`` and the anchor ``theta~ <-`` the current parameters. The loss is (eq. 4)
+    ``L + c * sum_k Omega_k (theta~_k - theta_k)^2``. Negative per-task contributions (possible when the
+    penalty or the optimiser's momentum oppose the loss gradient) are clipped to zero so that the quadratic
+    penalty never rewards moving away from the anchor.
+    """
+
+    name = "si"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.001,
+        c: float = 0.1,
+        xi: float = 0.1,
+        optimizer: str = "sgd",
+        num_heads: int = 1,
+        classes_per_head: int | None = None,
+    ) -> None:
+        super().__init__(model, lr, optimizer, num_heads, classes_per_head)
+        _require_non_negative("c", c)
+        _require_positive("xi", xi)
+        self.c = c
+        self.xi = xi
+        self.current_task: int | None = None
+        self.importance = {name: torch.zeros_like(p) for name, p in self.trainable_parameters.items()}
+        self.path_integral = {name: torch.zeros_like(p) for name, p in self.trainable_parameters.items()}
+        self.anchor = self._parameter_snapshot()
+
+    def penalty(self) -> Tensor:
+        """``c * sum_k Omega_k (theta_k - theta~_k)^2`` at the current parameters (differentiable)."""
+        return self.c * sum(
+            (self.importance[name] * (parameter - self.anchor[name]).square()).sum()
+            for name, parameter in self.trainable_parameters.items()
+        )
+
+    def _consolidate(self) -> None:
+        """End of a task: fold the path integral into the importance and move the anchor (eq. 5)."""
+        with torch.no_grad():
+            for name, parameter in self.trainable_parameters.items():
+                task_change = parameter - self.anchor[name]
+                self.importance[name].add_(
+                    (self.path_integral[name] / (task_change.square() + self.xi)).clamp_min(0)
+                )
+                self.path_integral[name].zero_()
+                self.anchor[name].copy_(parameter)
+
+    def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
+        """One step on ``cross-entropy + penalty``; consolidates first if ``task`` changed."""
+        if task is None:
+            raise ValueError("SILearner is task-aware: observe() needs the task id")
+        if task != self.current_task:
+            self._consolidate()
+            self.current_task = task
+        _, data_loss = self._training_loss(x, y, task)
+        parameters_before = self._parameter_snapshot()
+        self.optimizer.zero_grad()
+        data_loss.backward()
+        data_gradients: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, parameter in self.trainable_parameters.items():
+                if parameter.grad is not None:  # unused heads keep no gradient and are not stepped
+                    data_gradients[name] = parameter.grad.clone()
+                    parameter.grad.add_(2 * self.c * self.importance[name] * (parameter - self.anchor[name]))
+        self.optimizer.step()
+        with torch.no_grad():
+            for name, gradient in data_gradients.items():
+                update = self.trainable_parameters[name] - parameters_before[name]
+                self.path_integral[name].sub_(gradient * update)
+        return data_loss.item()
+
+    def _method_state(self) -> dict[str, Any]:
+        return {
+            "current_task": self.current_task,
+            "importance": self.importance,
+            "path_integral": self.path_integral,
+            "anchor": self.anchor,
+        }
+
+    def _load_method_state(self, state: dict[str, Any]) -> None:
+        for key in ("importance", "path_integral", "anchor"):
+            _copy_tensors_into(getattr(self, key), state[key], key)
+        self.current_task = state["current_task"]
+
+
+BASELINES: dict[str, type[BaselineLearner]] = {
+    "sgd": SGDLearner,
+    "adam": AdamLearner,
+    "adagrad": AdagradLearner,
+    "ewc_online": OnlineEWCLearner,
+    "mas": MASLearner,
+    "si": SILearner,
+}
+
+
+def make_baseline(name: str, model: nn.Module, **hyperparameters: Any) -> BaselineLearner:
+    """Build the baseline ``name`` (one of ``BASELINES``) on ``model`` with keyword ``hyperparameters``.
+
+    Raises:
+        ValueError: unknown baseline name, unknown hyper-parameter name, or invalid hyper-parameter value.
+    """
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; known baselines: {', '.join(BASELINES)}")
+    learner_class = BASELINES[name]
+    accepted = [argument for argument in inspect.signature(learner_class).parameters if argument != "model"]
+    unknown = sorted(set(hyperparameters) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"unknown hyper-parameter(s) {', '.join(unknown)} for baseline {name!r}; "
+            f"accepted: {', '.join(accepted)}"
+        )
+    return learner_class(model, **hyperparameters)

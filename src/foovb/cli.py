@@ -1,0 +1,83 @@
+"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]` and `foovb compare RUN_DIR...`."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+__all__ = ["main"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .runner import run
+
+    config = load_config(args.config, args.set)
+    run_dir = Path(args.out) if args.out else Path("runs") / config.name
+    summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    for mode, entry in summary["modes"].items():
+        print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
+              f"first task {entry['first_task_accuracy']:.4f}")
+    print(f"outputs in {run_dir}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from . import plots
+    from .runner import load_run
+
+    runs = [load_run(d) for d in args.run_dirs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    average_curves, first_curves = {}, {}
+    for r in runs:
+        s = r["summary"]
+        stages = [rec["stage"] + 1 for rec in r["records"]]
+        for mode, entry in s["modes"].items():
+            label = f"{r['dir'].name} ({mode})"
+            rows.append([r["dir"].name, s["learner"], mode, f"{entry['average_accuracy']:.4f}",
+                         f"{entry['first_task_accuracy']:.4f}", f"{entry.get('forgetting', float('nan')):.4f}",
+                         f"{s['seconds_per_iteration'] * 1e3:.2f}"])
+            average_curves[label] = (stages, entry["average_accuracy_curve"])
+            first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
+    header = ["run", "learner", "mode", "average_accuracy", "first_task_accuracy", "forgetting", "ms_per_iteration"]
+    with open(out / "compare.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
+    plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
+    print(f"table and plots in {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="train and evaluate one experiment config")
+    p_run.add_argument("config", help="YAML config (see configs/)")
+    p_run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set learner.params.mc_samples=2")
+    p_run.add_argument("--out", help="run directory (default runs/<name>)")
+    p_run.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_run.set_defaults(func=_run)
+    p_cmp = sub.add_parser("compare", help="side-by-side table and overlaid plots of finished runs")
+    p_cmp.add_argument("run_dirs", nargs="+")
+    p_cmp.add_argument("--out", default="compare", help="where to write compare.csv and plots")
+    p_cmp.set_defaults(func=_compare)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, FileExistsError) as error:
+        print(f"foovb: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

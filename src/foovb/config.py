@@ -1,0 +1,173 @@
+"""Experiment configuration: a YAML file mapped onto typed dataclasses and validated before any training.
+
+A bad config (unknown key, wrong type, impossible value) raises `ConfigError` naming the key, e.g.
+`scenario.batch_size: expected int, got 'abc'`. `--set key.sub=value` overrides are parsed as YAML values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["ConfigError", "Config", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
+
+SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message starts with the offending key."""
+
+
+@dataclass
+class ScenarioConfig:
+    kind: str = "discrete_permuted_mnist"
+    num_tasks: int = 10
+    epochs_per_task: int = 20  # discrete permuted MNIST and vision mix
+    iterations_per_task: int = 20 * 469  # continuous permuted MNIST
+    batch_size: int = 128
+    pad_to_32: bool = False
+    train_subset: int | None = None  # first N training images (quick runs)
+    eval_every: int | None = None  # continuous: evaluate every N iterations (default: once per task period)
+    joint: bool = False  # the joint-training oracle: all tasks mixed
+    data_dir: str | None = None  # vision mix
+    datasets: list[str] = field(default_factory=lambda: ["mnist", "notmnist", "fashion_mnist", "svhn", "cifar10"])
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [100, 100])
+
+
+@dataclass
+class LearnerConfig:
+    kind: str = "foovb"
+    params: dict[str, Any] = field(default_factory=dict)  # hyperparameters of the learner
+
+
+@dataclass
+class EvalConfig:
+    test_subset: int | None = None  # first N test examples of each task (quick runs)
+    histograms: bool = True  # save posterior STDs at every evaluation (Bayesian learners)
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    seed: int = 0
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint_every: int = 2000  # iterations between checkpoints (plus one at every evaluation)
+    threads: int | None = None  # torch.set_num_threads
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _check_type(key, value, inner)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (inner,) = typing.get_args(annotation)
+        return [_check_type(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, bool) or not isinstance(value, annotation):
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def _positive(key: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{key}: must be a positive integer, got {value}")
+
+
+def validate(config: Config) -> Config:
+    """Value checks that do not need data (types are checked when parsing)."""
+    s = config.scenario
+    if s.kind not in SCENARIOS:
+        raise ConfigError(f"scenario.kind: unknown scenario {s.kind!r} (known: {', '.join(SCENARIOS)})")
+    for key in ("num_tasks", "epochs_per_task", "iterations_per_task", "batch_size", "train_subset",
+                "eval_every"):
+        _positive(f"scenario.{key}", getattr(s, key))
+    if s.seed < 0 or config.seed < 0:
+        raise ConfigError("seed: must be non-negative")
+    if s.kind == "vision_mix" and s.data_dir is None:
+        raise ConfigError("scenario.data_dir: the vision mix needs a data directory")
+    if config.model.kind not in ("mlp", "lenet"):
+        raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
+    _positive("evaluation.test_subset", config.evaluation.test_subset)
+    _positive("checkpoint_every", config.checkpoint_every)
+    _positive("threads", config.threads)
+    for i, width in enumerate(config.model.hidden):
+        _positive(f"model.hidden[{i}]", width)
+    return config
+
+
+def config_from_dict(data: dict) -> Config:
+    return validate(_build(Config, data, ""))
+
+
+def config_to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `key.sub=value` overrides (value parsed as YAML) to a raw config mapping."""
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply overrides, parse and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    return config_from_dict(apply_overrides(data, overrides or []))

@@ -1,0 +1,158 @@
+"""Learners (Avalanche's "strategies"): FOO-VB and the baselines behind one `Learner` protocol, plus models.
+
+A learner sees batches only: `observe(x, y, task)`, where `task` is None in task-agnostic scenarios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .baselines import BASELINES, make_baseline
+from .metrics import Predictions
+from .optimizer import FOOVB
+from .predict import predict
+
+__all__ = ["Learner", "FOOVBLearner", "make_learner", "make_model", "LEARNERS", "MODELS"]
+
+
+class Learner(Protocol):
+    name: str
+    model: nn.Module
+
+    def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float: ...
+    def predict(self, x: Tensor, task: int | None = None) -> Predictions: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def head_slice(num_heads: int, classes_per_head: int, task: int | None) -> slice:
+    """Columns of `task`'s head in the logits of a multi-head model (all columns for a single head)."""
+    if num_heads == 1:
+        return slice(None)
+    if task is None or not 0 <= task < num_heads:
+        raise ValueError(f"a model with {num_heads} heads needs a task id in [0, {num_heads}), got {task!r}")
+    return slice(task * classes_per_head, (task + 1) * classes_per_head)
+
+
+class FOOVBLearner:
+    """FOO-VB as a continual learner: one optimizer step per batch, with the summed cross-entropy as L_n.
+
+    Args:
+        model: the network; trained in place (its parameters hold the posterior mean).
+        posterior, mc_samples, std_init, alpha, mean_step: see `FOOVB`.
+        eval_samples: sampled networks used for the "bma" and "single" prediction modes (0: mean only).
+        batched: evaluate the MC samples in one batched pass (`FOOVB.step_batched`) or sequentially.
+        chunk_size: samples per batched pass (memory bound).
+        num_heads, classes_per_head: multi-head (task-aware) models.
+        seed: seed of the optimizer's noise and initialisation.
+    """
+
+    name = "foovb"
+
+    def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10,
+                 std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, eval_samples: int = 10,
+                 batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
+                 classes_per_head: int = 10, seed: int = 0):
+        if eval_samples < 0:
+            raise ValueError(f"eval_samples must be >= 0, got {eval_samples}")
+        self.model = model
+        self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
+                               loss_reduction="sum", seed=seed)
+        self.eval_samples = eval_samples
+        self.batched = batched
+        self.chunk_size = chunk_size
+        self.num_heads = num_heads
+        self.classes_per_head = classes_per_head
+        self.name = f"foovb-{posterior}"
+
+    def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
+        """One FOO-VB step; returns the mean (per example) cross-entropy averaged over the MC samples."""
+        head = head_slice(self.num_heads, self.classes_per_head, task)
+        self.model.train()
+        if self.batched:
+            loss = self.optimizer.step_batched(
+                x, y, lambda out, target: F.cross_entropy(out[:, head], target, reduction="sum"),
+                chunk_size=self.chunk_size)
+        else:
+            def closure() -> Tensor:
+                loss = F.cross_entropy(self.model(x)[:, head], y, reduction="sum")
+                loss.backward()
+                return loss
+
+            loss = self.optimizer.step(closure)
+        return loss / len(y)
+
+    def predict(self, x: Tensor, task: int | None = None) -> Predictions:
+        head = head_slice(self.num_heads, self.classes_per_head, task)
+        return predict(self.optimizer, x, self.eval_samples, chunk_size=self.chunk_size,
+                       output_fn=lambda logits: torch.softmax(logits[:, head], -1))
+
+    def posterior_std(self) -> np.ndarray:
+        """Marginal posterior STD of every weight (the paper's STD histograms)."""
+        return torch.cat([self.optimizer.posterior(p).std.flatten() for p in self.model.parameters()
+                          if p.requires_grad]).numpy()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])  # also loads the means into the model
+
+
+LEARNERS = ("foovb", *BASELINES)
+
+
+def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_head: int = 10,
+                 seed: int = 0, **hyperparameters: Any) -> Learner:
+    """Build a learner by name ("foovb" or a baseline of `foovb.baselines`); bad names/arguments -> ValueError."""
+    if kind == "foovb":
+        try:
+            return FOOVBLearner(model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed,
+                                **hyperparameters)
+        except TypeError as error:  # an unknown keyword
+            raise ValueError(f"learner foovb: {error}") from error
+    if kind not in BASELINES:
+        raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
+    return make_baseline(kind, model, num_heads=num_heads, classes_per_head=classes_per_head, **hyperparameters)
+
+
+def mlp(input_size: int, hidden: Sequence[int] = (100, 100), num_classes: int = 10) -> nn.Sequential:
+    """The paper's fully connected ReLU network (784-100-100-10 discrete, 1024-200-200-10 continuous)."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = input_size
+    for size in hidden:
+        layers += [nn.Linear(width, size), nn.ReLU()]
+        width = size
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def lenet(input_shape: Sequence[int] = (3, 32, 32), num_heads: int = 5, num_classes: int = 10) -> nn.Sequential:
+    """LeNet-like network of the vision-datasets mix: conv 20 and 50 channels (kernel 5, ReLU, max-pool),
+    fully connected 500, and one 10-way head per task (all heads in one Linear, sliced by task)."""
+    channels, height, width = input_shape
+    out_height, out_width = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
+    features = 50 * out_height * out_width
+    return nn.Sequential(
+        nn.Conv2d(channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(features, 500), nn.ReLU(), nn.Linear(500, num_heads * num_classes),
+    )
+
+
+MODELS = ("mlp", "lenet")
+
+
+def make_model(kind: str, input_shape: Sequence[int], num_classes: int, num_heads: int = 1,
+               hidden: Sequence[int] = (100, 100)) -> nn.Module:
+    if kind == "mlp":
+        return mlp(int(np.prod(input_shape)), hidden, num_classes * num_heads)
+    if kind == "lenet":
+        return lenet(input_shape, num_heads, num_classes)
+    raise ValueError(f"unknown model {kind!r}; known: {', '.join(MODELS)}")

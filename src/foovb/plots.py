@@ -1,0 +1,186 @@
+"""PNG plots of continual-learning results (the paper's figures, "Applications and Experiments").
+
+Figures are drawn on ``matplotlib.figure.Figure`` objects rendered by the Agg canvas, so importing this
+module never changes the global pyplot backend. Every function validates its input (``ValueError`` on
+malformed data), writes a PNG to ``path`` (creating parent folders) and returns the path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from numpy.typing import ArrayLike
+
+from foovb.metrics import validate_accuracy_matrix
+
+Curve = tuple[ArrayLike, ArrayLike]
+
+
+def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:
+    output_path = Path(path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(output_path, format="png", dpi=120, bbox_inches="tight")
+    return output_path
+
+
+def _validated_curve(label: str, curve: Curve) -> tuple[np.ndarray, np.ndarray]:
+    x, y = (np.asarray(values, dtype=float) for values in curve)
+    if x.ndim != 1 or x.shape != y.shape or x.size == 0:
+        raise ValueError(
+            f"curve {label!r}: x and y must be non-empty 1-D arrays of equal length, "
+            f"got {x.shape} and {y.shape}"
+        )
+    return x, y
+
+
+def _plot_curves(
+    curves: Mapping[str, Curve], path: str | os.PathLike[str], title: str, xlabel: str, ylabel: str
+) -> Path:
+    if not curves:
+        raise ValueError("curves must hold at least one labelled (x, y) curve")
+    validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
+    figure = Figure(figsize=(6.4, 4.4))
+    axes = figure.add_subplot()
+    for label, (x, y) in validated.items():
+        axes.plot(x, y, marker="o", markersize=3, label=label)
+    axes.set_title(title)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return _save(figure, path)
+
+
+def plot_average_accuracy(
+    curves: Mapping[str, Curve],
+    path: str | os.PathLike[str],
+    title: str = "Average test accuracy on all seen tasks",
+    xlabel: str = "Number of tasks",
+    ylabel: str = "Average accuracy",
+) -> Path:
+    """One line per learner: average accuracy over seen tasks vs. training progress (paper Fig. 1 and 5)."""
+    return _plot_curves(curves, path, title, xlabel, ylabel)
+
+
+def plot_first_task_accuracy(
+    curves: Mapping[str, Curve],
+    path: str | os.PathLike[str],
+    title: str = "Test accuracy on the first task",
+    xlabel: str = "Number of tasks",
+    ylabel: str = "First-task accuracy",
+) -> Path:
+    """One line per learner: accuracy on task 1 vs. number of tasks seen (paper Fig. 2)."""
+    return _plot_curves(curves, path, title, xlabel, ylabel)
+
+
+def plot_std_histograms(
+    stds_per_task: Sequence[ArrayLike],
+    path: str | os.PathLike[str],
+    initial_std: float | None = None,
+    log_x: bool = True,
+    num_bins: int = 60,
+    title: str = "Posterior STD histogram at the end of each task",
+) -> Path:
+    """Overlaid histograms of the posterior STD values at the end of each task (paper Fig. 3).
+
+    Args:
+        stds_per_task: one array of STD values (any shape, flattened) per task.
+        initial_std: if given, drawn as a dashed vertical line (the prior STD, e.g. 0.047).
+        log_x: logarithmic STD axis with log-spaced bins (all values must then be positive).
+    """
+    if len(stds_per_task) == 0:
+        raise ValueError("stds_per_task must hold at least one array of STD values")
+    stds = [np.asarray(values, dtype=float).ravel() for values in stds_per_task]
+    for task_index, values in enumerate(stds):
+        if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
+            raise ValueError(f"task {task_index + 1}: STD values must be non-empty, finite and >= 0")
+        if log_x and np.any(values == 0):
+            raise ValueError(f"task {task_index + 1}: STD values must be > 0 for a logarithmic axis")
+    if initial_std is not None and not (np.isfinite(initial_std) and initial_std > 0):
+        raise ValueError(f"initial_std must be a positive finite number, got {initial_std}")
+    lowest = min(values.min() for values in stds)
+    highest = max(values.max() for values in stds)
+    if highest == lowest:  # a single distinct value: widen the range so that the bins have a width
+        lowest, highest = (lowest * 0.9, highest * 1.1) if highest > 0 else (0.0, 1.0)
+    spacing = np.geomspace if log_x else np.linspace
+    bins = spacing(lowest, highest, num_bins + 1)
+
+    figure = Figure(figsize=(6.4, 4.4))
+    axes = figure.add_subplot()
+    for task_index, values in enumerate(stds):
+        axes.hist(values, bins=bins, histtype="stepfilled", alpha=0.35, label=f"after task {task_index + 1}")
+    if initial_std is not None:
+        axes.axvline(initial_std, color="black", linestyle="--", label=f"initial STD {initial_std:g}")
+    if log_x:
+        axes.set_xscale("log")
+    axes.set_title(title)
+    axes.set_xlabel("STD value")
+    axes.set_ylabel("Number of weights")
+    axes.legend(fontsize="small")
+    return _save(figure, path)
+
+
+def plot_task_schedule(
+    iterations: ArrayLike,
+    probabilities: ArrayLike,
+    path: str | os.PathLike[str],
+    title: str = "Task distribution over iterations",
+) -> Path:
+    """Probability of drawing a sample from each task vs. iteration, continuous scenario (paper Fig. 4).
+
+    Args:
+        iterations: ``(N,)`` iteration numbers.
+        probabilities: ``(N, T)`` probability of each of the ``T`` tasks at each iteration, in ``[0, 1]``.
+    """
+    steps = np.asarray(iterations, dtype=float)
+    task_probabilities = np.asarray(probabilities, dtype=float)
+    if steps.ndim != 1 or steps.size == 0:
+        raise ValueError(f"iterations must be a non-empty 1-D array, got shape {steps.shape}")
+    if task_probabilities.ndim != 2 or task_probabilities.shape[0] != steps.size:
+        raise ValueError(f"probabilities must have shape ({steps.size}, T), got {task_probabilities.shape}")
+    if not np.all((task_probabilities >= 0) & (task_probabilities <= 1)):
+        raise ValueError("probabilities must lie in [0, 1]")
+
+    figure = Figure(figsize=(7.2, 3.6))
+    axes = figure.add_subplot()
+    for task_index in range(task_probabilities.shape[1]):
+        axes.plot(steps, task_probabilities[:, task_index], label=f"task {task_index + 1}")
+    axes.set_title(title)
+    axes.set_xlabel("Iteration")
+    axes.set_ylabel("Probability of task")
+    axes.set_ylim(-0.02, 1.02)
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(figure, path)
+
+
+def plot_accuracy_matrix(
+    accuracy_matrix: ArrayLike,
+    path: str | os.PathLike[str],
+    title: str = "Accuracy matrix",
+) -> Path:
+    """Heatmap of ``R[i, j]`` (accuracy on task ``j`` after training stage ``i``), values annotated.
+
+    Not-yet-seen (NaN) entries are left blank.
+    """
+    matrix = validate_accuracy_matrix(accuracy_matrix)
+    num_tasks = matrix.shape[0]
+    figure = Figure(figsize=(1.0 + 0.6 * num_tasks + 1.5, 1.0 + 0.6 * num_tasks))
+    axes = figure.add_subplot()
+    image = axes.imshow(np.ma.masked_invalid(matrix), cmap="viridis", origin="upper")
+    figure.colorbar(image, ax=axes, label="Accuracy")
+    for stage, task in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
+        value = matrix[stage, task]
+        text_color = "black" if image.norm(value) > 0.6 else "white"  # readable on the viridis colours
+        axes.text(task, stage, f"{value:.2f}", ha="center", va="center", color=text_color, fontsize=7)
+    tick_labels = [str(index + 1) for index in range(num_tasks)]
+    axes.set_xticks(range(num_tasks), tick_labels)
+    axes.set_yticks(range(num_tasks), tick_labels)
+    axes.set_title(title)
+    axes.set_xlabel("Evaluated task j")
+    axes.set_ylabel("After training on task i")
+    return _save(figure, path)

@@ -1,0 +1,290 @@
+"""The experiment loop: stream -> learner -> evaluation, with checkpoints, resume and plain-file outputs.
+
+Run directory layout:
+    config.yaml              the resolved config
+    metrics.jsonl            one record per evaluation (iteration, stage, per-task accuracy per mode, NLL, ECE)
+    metrics.csv              the same, one row per (evaluation, task, mode)
+    accuracy_matrix_<mode>.csv   rows: evaluations, columns: tasks
+    summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware
+    stds.npz                 posterior STDs at every evaluation (Bayesian learners)
+    checkpoint.pt            learner state + iteration + records (for --resume)
+    plots/*.png              average accuracy, first-task accuracy, accuracy matrix, STD histograms, schedule
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from . import metrics, plots
+from .config import Config, config_to_dict
+from .learners import Learner, make_learner, make_model
+from .metrics import ACCURACY_MODES, PROBABILITY_MODES
+
+__all__ = ["build_scenario", "run", "RunResult", "load_run"]
+
+RunResult = dict[str, Any]
+
+
+def build_scenario(config: Config):
+    """The data stream of the config (imported lazily: MNIST loads in about a second)."""
+    from .scenarios import (
+        ContinuousPermutedMNIST,
+        DiscretePermutedMNIST,
+        JointStream,
+        PermutedMNIST,
+        VisionMix,
+    )
+
+    s = config.scenario
+    if s.kind == "vision_mix":
+        scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed)
+    else:
+        benchmark = PermutedMNIST(s.num_tasks, s.seed, s.pad_to_32)
+        if s.kind == "discrete_permuted_mnist":
+            scenario = DiscretePermutedMNIST(benchmark, s.epochs_per_task, s.batch_size, s.seed, s.train_subset)
+        else:
+            scenario = ContinuousPermutedMNIST(benchmark, s.iterations_per_task, s.batch_size, s.seed,
+                                               s.eval_every)
+    return JointStream(scenario, s.seed) if s.joint else scenario
+
+
+def task_ends(config: Config, scenario) -> list[int]:
+    """Iteration count at which each task's period ends (stage boundaries for "tasks seen so far")."""
+    if config.scenario.kind == "continuous_permuted_mnist":
+        d = config.scenario.iterations_per_task
+        return [(t + 1) * d for t in range(scenario.num_tasks)]
+    inner = getattr(scenario, "scenario", scenario)  # JointStream wraps the sequential scenario
+    return list(inner.eval_points)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _Evaluator:
+    """Accuracy of every task's test set in every prediction mode the learner supports."""
+
+    def __init__(self, scenario, test_subset: int | None):
+        self.test_sets = []
+        for task in range(scenario.num_tasks):
+            x, y = scenario.test_set(task)
+            self.test_sets.append((x[:test_subset], y[:test_subset]) if test_subset else (x, y))
+
+    def __call__(self, learner: Learner, task_aware: bool) -> dict[str, Any]:
+        accuracy: dict[str, list[float]] = {}
+        calibration: dict[str, dict[str, list[float]]] = {"nll": {}, "ece": {}}
+        for task, (x, y) in enumerate(self.test_sets):
+            pred = _predict_in_chunks(learner, x, task if task_aware else None)
+            modes = ACCURACY_MODES if pred.samples is not None else ("mean",)
+            for mode in modes:
+                accuracy.setdefault(mode, []).append(metrics.accuracy(pred, y, mode))
+            for mode in PROBABILITY_MODES if pred.samples is not None else ("mean",):
+                probs = metrics.mode_probabilities(pred, mode)
+                calibration["nll"].setdefault(mode, []).append(metrics.nll(probs, y))
+                calibration["ece"].setdefault(mode, []).append(metrics.ece(probs, y))
+        return {"accuracy": accuracy, **calibration}
+
+
+def _predict_in_chunks(learner: Learner, x: torch.Tensor, task: int | None, rows: int = 2500):
+    parts = [learner.predict(x[i : i + rows], task) for i in range(0, len(x), rows)]
+    samples = None if parts[0].samples is None else torch.cat([p.samples for p in parts], 1)
+    return metrics.Predictions(torch.cat([p.mean for p in parts]), samples)
+
+
+def _summary(records: list[dict], ends: list[int], num_tasks: int) -> dict[str, Any]:
+    """Final metrics per mode from the evaluation records."""
+    out: dict[str, Any] = {}
+    last = records[-1]
+    for mode in last["accuracy"]:
+        matrix = np.array([r["accuracy"][mode] for r in records])
+        seen = np.array([[j <= r["stage"] for j in range(num_tasks)] for r in records])
+        average = np.where(seen, matrix, 0).sum(1) / seen.sum(1)
+        entry = {"average_accuracy": float(average[-1]), "first_task_accuracy": float(matrix[-1, 0]),
+                 "average_accuracy_curve": average.tolist()}
+        at_ends = [i for i, r in enumerate(records) if r["iteration"] in ends]
+        if len(at_ends) == num_tasks and num_tasks > 1:
+            square = np.where(np.tril(np.ones((num_tasks, num_tasks), bool)), matrix[at_ends], np.nan)
+            entry["forgetting"] = metrics.forgetting(square)
+            entry["backward_transfer"] = metrics.backward_transfer(square)
+        out[mode] = entry
+    return out
+
+
+def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+        stop_after: int | None = None) -> RunResult:
+    """Train and evaluate as the config says, writing everything to `run_dir`.
+
+    Args:
+        resume: continue from `run_dir/checkpoint.pt` (same final result as an uninterrupted run).
+        progress: show a tqdm progress bar.
+        stop_after: stop after this many iterations (simulates an interruption; for tests).
+    Returns the summary (also in summary.json).
+    """
+    run_dir = Path(run_dir)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    if resume and not checkpoint_path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
+    if not resume and (run_dir / "summary.json").exists():
+        raise FileExistsError(f"{run_dir} already holds a finished run; choose another directory or --resume")
+    (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    resolved = config_to_dict(config)
+    if resume:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if saved != resolved:
+            raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'}")
+    _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+
+    scenario = build_scenario(config)
+    torch.manual_seed(config.seed)
+    num_heads = scenario.num_tasks if scenario.task_aware else 1
+    model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
+                       config.model.hidden)
+    learner = make_learner(config.learner.kind, model, num_heads=num_heads,
+                           classes_per_head=scenario.num_classes, seed=config.seed, **config.learner.params)
+    evaluator = _Evaluator(scenario, config.evaluation.test_subset)
+    ends = task_ends(config, scenario)
+    records: list[dict] = []
+    stds: dict[str, np.ndarray] = {}
+    start, train_seconds = 0, 0.0
+    if resume:
+        state = torch.load(checkpoint_path, weights_only=False)
+        learner.load_state_dict(state["learner"])
+        start, records, train_seconds, stds = state["iteration"], state["records"], state["train_seconds"], state[
+            "stds"]
+    eval_points = set(scenario.eval_points)
+
+    def save_checkpoint(iteration: int) -> None:
+        _atomic_save({"learner": learner.state_dict(), "iteration": iteration, "records": records,
+                      "train_seconds": train_seconds, "stds": stds}, checkpoint_path)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        import sys
+
+        bar = tqdm(total=scenario.num_iterations, initial=start, desc=config.name, unit="it", dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 60.0)
+    running_loss = None
+    last_average = float("nan")
+    tic = time.perf_counter()
+    for iteration, batch in scenario.batches(start):
+        task = int(batch.task[0]) if scenario.task_aware else None
+        loss = learner.observe(batch.x, batch.y, task)
+        running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
+        done = iteration + 1
+        if bar is not None:
+            bar.update(1)
+            if done % 50 == 0:
+                bar.set_postfix(task=int(batch.task.float().mean().round()), loss=f"{running_loss:.3f}",
+                                avg_acc=f"{last_average:.4f}")
+        if done in eval_points:
+            train_seconds += time.perf_counter() - tic
+            stage = min(bisect.bisect_left(ends, done), scenario.num_tasks - 1)
+            record = {"iteration": done, "stage": stage, **evaluator(learner, scenario.task_aware),
+                      "train_seconds": train_seconds}
+            records.append(record)
+            last_average = float(np.mean(record["accuracy"]["mean"][: stage + 1]))
+            if config.evaluation.histograms and hasattr(learner, "posterior_std"):
+                stds[f"iteration_{done}"] = learner.posterior_std()
+            save_checkpoint(done)
+            tic = time.perf_counter()
+        elif done % config.checkpoint_every == 0:
+            train_seconds += time.perf_counter() - tic
+            save_checkpoint(done)
+            tic = time.perf_counter()
+        if stop_after is not None and done >= stop_after:
+            if bar is not None:
+                bar.close()
+            save_checkpoint(done)
+            return {"interrupted_at": done}
+    if bar is not None:
+        bar.close()
+    summary = {
+        "name": config.name,
+        "learner": getattr(learner, "name", config.learner.kind),
+        "scenario": config.scenario.kind,
+        "num_tasks": scenario.num_tasks,
+        "iterations": scenario.num_iterations,
+        "train_seconds": train_seconds,
+        "seconds_per_iteration": train_seconds / max(scenario.num_iterations, 1),
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                    f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "modes": _summary(records, ends, scenario.num_tasks),
+    }
+    write_outputs(run_dir, records, summary, stds, scenario, config)
+    return summary
+
+
+def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[str, np.ndarray], scenario,
+                  config: Config) -> None:
+    """All plain-file outputs and plots of a finished run."""
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    with open(run_dir / "metrics.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["iteration", "stage", "task", "mode", "accuracy", "nll", "ece"])
+        for r in records:
+            for mode, values in r["accuracy"].items():
+                for task, value in enumerate(values):
+                    writer.writerow([r["iteration"], r["stage"], task, mode, value,
+                                     r["nll"].get(mode, [None] * len(values))[task],
+                                     r["ece"].get(mode, [None] * len(values))[task]])
+    for mode in records[-1]["accuracy"]:
+        matrix = np.array([r["accuracy"][mode] for r in records])
+        np.savetxt(run_dir / f"accuracy_matrix_{mode}.csv", matrix, delimiter=",", fmt="%.6f",
+                   header=",".join(f"task_{t}" for t in range(matrix.shape[1])))
+    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if stds:
+        np.savez_compressed(run_dir / "stds.npz", **stds)
+    plot_dir = run_dir / "plots"
+    stages = [r["stage"] + 1 for r in records]
+    for mode, entry in summary["modes"].items():
+        label = f"{summary['learner']} ({mode})"
+        plots.plot_average_accuracy({label: (stages, entry["average_accuracy_curve"])},
+                                    plot_dir / f"average_accuracy_{mode}.png")
+        first = [r["accuracy"][mode][0] for r in records]
+        plots.plot_first_task_accuracy({label: (stages, first)}, plot_dir / f"first_task_accuracy_{mode}.png")
+        plots.plot_accuracy_matrix(np.array([r["accuracy"][mode] for r in records]),
+                                   plot_dir / f"accuracy_matrix_{mode}.png")
+    if stds:
+        params = config.learner.params
+        diagonal = config.learner.kind == "foovb" and params.get("posterior", "diagonal") == "diagonal"
+        plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
+                                  initial_std=params.get("std_init", 0.047) if diagonal else None)
+    if hasattr(scenario, "task_probabilities"):
+        iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
+        plots.plot_task_schedule(iterations, scenario.task_probabilities(iterations).numpy(),
+                                 plot_dir / "task_schedule.png")
+
+
+def load_run(run_dir: str | Path) -> dict[str, Any]:
+    """A finished run's summary and records (for `foovb compare`)."""
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished run)")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {"dir": run_dir, "summary": json.loads(summary_path.read_text()), "records": records}

@@ -1,0 +1,469 @@
+"""Continual-learning data streams (paper section "Applications and Experiments", appendix "Implementation
+details").
+
+A stream yields ``(iteration, Batch)`` pairs; the learner only ever sees the batches, and in the task-agnostic
+scenarios the runner never shows it ``Batch.task`` either (see ``docs/ARCHITECTURE.md``, "Streams").
+
+* :class:`DiscretePermutedMNIST`: permuted-MNIST tasks one after another, boundaries hidden from the learner.
+* :class:`ContinuousPermutedMNIST`: tasks fade into each other, so no boundary exists at all.
+* :class:`VisionMix`: the task-aware sequence MNIST, notMNIST, Fashion-MNIST, SVHN, CIFAR-10.
+* :class:`JointStream`: the joint-training ("offline") oracle on any of the above.
+
+Iterations are numbered from 0; ``eval_points`` hold numbers of completed iterations, so the runner
+evaluates after yielding iteration ``e - 1`` for each ``e`` in ``eval_points``. All randomness of a stream
+comes from generators seeded by ``(seed, purpose, epoch or iteration)``, never from the global RNG, so
+``batches(k)`` reproduces exactly the tail of ``batches(0)`` from iteration ``k`` on (resuming a run).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from foovb.data import DATASET_NAMES, MNIST_MEAN, MNIST_STD, ImageDataset, load_dataset, load_mnist
+
+# Purposes in the seed derivation, so that streams drawn from the same seed are independent.
+_PERMUTATIONS, _EPOCH_SHUFFLE, _ITERATION_SAMPLE, _JOINT_SHUFFLE = range(4)
+
+_MNIST_SIDE = 28
+_PADDED_SIDE = 32
+_VISION_MIX_SHAPE = (3, _PADDED_SIDE, _PADDED_SIDE)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training batch: ``x`` float inputs ready for the model, ``y`` int64 labels, ``task`` int64
+    per-sample task ids (for evaluation/analysis, and for task-aware learners only)."""
+
+    x: Tensor
+    y: Tensor
+    task: Tensor
+
+
+class Scenario(Protocol):
+    """What the runner needs from a stream (``docs/ARCHITECTURE.md``, "Streams")."""
+
+    @property
+    def num_tasks(self) -> int: ...
+    @property
+    def num_iterations(self) -> int: ...
+    @property
+    def eval_points(self) -> tuple[int, ...]:
+        """Sorted numbers of completed iterations after which to evaluate; the last is ``num_iterations``."""
+        ...
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+    @property
+    def num_classes(self) -> int:
+        """Classes per task (per head for multi-head models)."""
+        ...
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def task_aware(self) -> bool:
+        """Whether the learner may be told ``Batch.task``."""
+        ...
+
+    @property
+    def train_sizes(self) -> tuple[int, ...]:
+        """Number of training examples of each task (valid ``indices`` of :meth:`train_batch`)."""
+        ...
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        """All test inputs (float, model-ready) and labels of ``task``."""
+        ...
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        """The batch of training examples ``indices[k]`` of task ``tasks[k]``."""
+        ...
+
+    def batches(self, start_iteration: int = 0) -> Iterator[tuple[int, Batch]]:
+        """``(iteration, batch)`` for iterations ``start_iteration .. num_iterations - 1``."""
+        ...
+
+
+def _generator(*keys: int) -> torch.Generator:
+    """A fresh ``torch.Generator`` whose seed is derived from the non-negative integer ``keys``."""
+    seed = np.random.SeedSequence(list(keys)).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def _check_seed(seed: int) -> None:
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+
+
+def _check_start(start_iteration: int, num_iterations: int) -> None:
+    if not 0 <= start_iteration <= num_iterations:
+        raise ValueError(f"start_iteration must be in [0, {num_iterations}], got {start_iteration}")
+
+
+def _gather_by_task(
+    tasks: Tensor, indices: Tensor, fetch: Callable[[int, Tensor], tuple[Tensor, Tensor]]
+) -> Batch:
+    """Assemble a batch whose samples may come from several tasks; ``fetch(task, indices)`` returns the inputs
+    and labels of some training examples of a single task."""
+    rows_of_task = {task: tasks == task for task in tasks.unique().tolist()}
+    pieces = {task: fetch(task, indices[rows]) for task, rows in rows_of_task.items()}
+    some_x = next(iter(pieces.values()))[0]
+    x = torch.empty((len(indices), *some_x.shape[1:]), dtype=some_x.dtype)
+    y = torch.empty(len(indices), dtype=torch.int64)
+    for task, rows in rows_of_task.items():
+        x[rows], y[rows] = pieces[task]
+    return Batch(x, y, tasks)
+
+
+class PermutedMNIST:
+    """The permuted-MNIST tasks: task ``t`` shows every MNIST image with its pixels shuffled by permutation
+    ``t``.
+
+    Task 0 is the identity (plain MNIST); tasks ``1..T-1`` use pixel permutations drawn from ``seed``. With
+    ``pad_to_32`` the images are first zero-padded to 32x32, as in the continuous experiment (appendix
+    "Continuous permuted MNIST", following Hsu et al. 2018), and the permutations act on all 1024 pixels.
+    Images are stored once as uint8; inputs are permuted and normalised as ``(x/255 - 0.1307) / 0.3081`` on
+    the fly and flattened to ``(r, 784)`` or ``(r, 1024)``.
+    """
+
+    num_classes = 10
+
+    def __init__(self, num_tasks: int = 10, seed: int = 0, pad_to_32: bool = False) -> None:
+        _check_positive(num_tasks=num_tasks)
+        _check_seed(seed)
+        self.num_tasks = num_tasks
+        self.seed = seed
+        self.pad_to_32 = pad_to_32
+        mnist = load_mnist()
+        self.train_pixels = self._flatten(mnist.train_images)
+        """uint8 (60000, D): the unpermuted (padded) training images, one row each"""
+        self.train_labels = mnist.train_labels
+        self.test_pixels = self._flatten(mnist.test_images)
+        self.test_labels = mnist.test_labels
+        num_pixels = self.train_pixels.shape[1]
+        generator = _generator(seed, _PERMUTATIONS)
+        self.permutations = torch.stack(
+            [torch.arange(num_pixels)]
+            + [torch.randperm(num_pixels, generator=generator) for _ in range(num_tasks - 1)]
+        )
+        """int64 (T, D): input pixel ``j`` of task ``t`` is original pixel ``permutations[t, j]``"""
+
+    def _flatten(self, images: Tensor) -> Tensor:
+        if self.pad_to_32:
+            margin = (_PADDED_SIDE - _MNIST_SIDE) // 2
+            images = F.pad(images, (margin, margin, margin, margin))
+        return images.reshape(len(images), -1)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return (self.train_pixels.shape[1],)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_pixels)
+
+    def encode(self, pixels: Tensor, task: int) -> Tensor:
+        """Model inputs of task ``task`` from uint8 unpermuted ``pixels`` (r, D): permute, then normalise."""
+        return (pixels[:, self.permutations[task]].float() / 255 - MNIST_MEAN) / MNIST_STD
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        """Training images ``indices[k]``, each permuted for its task ``tasks[k]``."""
+        return _gather_by_task(
+            tasks,
+            indices,
+            lambda task, rows: (self.encode(self.train_pixels[rows], task), self.train_labels[rows]),
+        )
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        """The 10000 test images permuted for ``task``, and their labels."""
+        return self.encode(self.test_pixels, task), self.test_labels
+
+
+class _PermutedMNISTStream:
+    """What the permuted-MNIST streams take from their :class:`PermutedMNIST` benchmark."""
+
+    task_aware = False
+    benchmark: PermutedMNIST
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.benchmark.input_shape
+
+    @property
+    def num_classes(self) -> int:
+        return self.benchmark.num_classes
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        return self.benchmark.test_set(task)
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        return self.benchmark.train_batch(tasks, indices)
+
+
+class _SequentialTaskStream(ABC):
+    """Tasks one after another, ``epochs_per_task`` epochs each over the task's training set, reshuffled every
+    epoch, last partial batch kept (``drop_last=False``). Evaluation happens at the end of each task."""
+
+    def __init__(self, train_sizes: Sequence[int], epochs_per_task: int, batch_size: int, seed: int) -> None:
+        _check_positive(epochs_per_task=epochs_per_task, batch_size=batch_size, num_tasks=len(train_sizes))
+        _check_seed(seed)
+        self.train_sizes = tuple(train_sizes)
+        self.epochs_per_task = epochs_per_task
+        self.batch_size = batch_size
+        self.seed = seed
+        self.batches_per_epoch = tuple(math.ceil(size / batch_size) for size in self.train_sizes)
+        self.eval_points = tuple(accumulate(epochs_per_task * count for count in self.batches_per_epoch))
+        """the last iteration of each task (a number of completed iterations)"""
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.train_sizes)
+
+    @property
+    def num_iterations(self) -> int:
+        return self.eval_points[-1]
+
+    @abstractmethod
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        """The batch of training examples ``indices[k]`` of task ``tasks[k]``."""
+
+    def batches(self, start_iteration: int = 0) -> Iterator[tuple[int, Batch]]:
+        _check_start(start_iteration, self.num_iterations)
+        iteration = start_iteration
+        while iteration < self.num_iterations:
+            task = bisect.bisect_right(self.eval_points, iteration)
+            task_start = self.eval_points[task - 1] if task else 0
+            epoch, first_batch = divmod(iteration - task_start, self.batches_per_epoch[task])
+            order = torch.randperm(
+                self.train_sizes[task], generator=_generator(self.seed, _EPOCH_SHUFFLE, task, epoch)
+            )
+            for position in range(first_batch, self.batches_per_epoch[task]):
+                indices = order[position * self.batch_size : (position + 1) * self.batch_size]
+                yield iteration, self.train_batch(torch.full_like(indices, task), indices)
+                iteration += 1
+
+
+class DiscretePermutedMNIST(_PermutedMNISTStream, _SequentialTaskStream):
+    """Discrete task-agnostic permuted MNIST (paper section "Discrete task-agnostic Permuted MNIST").
+
+    The benchmark's tasks in sequence, ``epochs_per_task`` epochs each (paper: 20, batch size 128, 469 batches
+    per epoch). The task switches are never announced to the learner: they appear only in ``Batch.task`` and
+    in ``eval_points`` (the end of every task). ``train_subset`` trains on the first N training images only,
+    for quick demos and tests.
+    """
+
+    def __init__(
+        self,
+        benchmark: PermutedMNIST,
+        epochs_per_task: int = 20,
+        batch_size: int = 128,
+        seed: int = 0,
+        train_subset: int | None = None,
+    ) -> None:
+        num_train = benchmark.num_train if train_subset is None else train_subset
+        if not 1 <= num_train <= benchmark.num_train:
+            raise ValueError(f"train_subset must be in [1, {benchmark.num_train}], got {train_subset}")
+        self.benchmark = benchmark
+        super().__init__((num_train,) * benchmark.num_tasks, epochs_per_task, batch_size, seed)
+
+
+class ContinuousPermutedMNIST(_PermutedMNISTStream):
+    """Continuous task-agnostic permuted MNIST (paper section "Continuous task-agnostic Permuted MNIST",
+    figure "tasks_distribution"): tasks fade into each other, so there are no task boundaries at all.
+
+    With ``D = iterations_per_task`` and ``u = i / D`` at iteration ``i``, task ``t`` has weight
+    ``p_t(i) = clip(1/2 + 2 min(u - t, t + 1 - u), 0, 1)``: full weight on ``[t + 1/4, t + 3/4]`` and linear
+    ramps of length ``D/2`` centred on ``u = t`` (in) and ``u = t + 1`` (out), where the neighbouring task
+    ramps the other way, so the weights sum to 1. Task 0 never ramps in and the last task never ramps out. The
+    number of samples of each task in a batch is Multinomial(batch_size, p(i)); the batch's images are
+    drawn without replacement from the whole training set, independently for every batch (i.e. with
+    replacement across batches, appendix "Continuous permuted MNIST"). The default duration, 9380 iterations
+    per task, is the paper's: 20 epochs of ceil(60000 / 128) = 469 batches.
+    """
+
+    def __init__(
+        self,
+        benchmark: PermutedMNIST,
+        iterations_per_task: int = 20 * 469,
+        batch_size: int = 128,
+        seed: int = 0,
+        eval_every: int | None = None,
+    ) -> None:
+        eval_every = iterations_per_task if eval_every is None else eval_every
+        _check_positive(iterations_per_task=iterations_per_task, batch_size=batch_size, eval_every=eval_every)
+        _check_seed(seed)
+        if batch_size > benchmark.num_train:
+            raise ValueError(f"batch_size {batch_size} exceeds the {benchmark.num_train} training images")
+        self.benchmark = benchmark
+        self.iterations_per_task = iterations_per_task
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_tasks = benchmark.num_tasks
+        self.num_iterations = self.num_tasks * iterations_per_task
+        self.train_sizes = (benchmark.num_train,) * self.num_tasks
+        self.eval_points = tuple(
+            sorted({*range(eval_every, self.num_iterations + 1, eval_every), self.num_iterations})
+        )
+
+    def task_probabilities(self, iteration: int | Sequence[int] | Tensor) -> Tensor:
+        """float64 task weights ``p(i)``: shape ``(T,)`` for one iteration, ``(n, T)`` for ``n`` of them."""
+        progress = torch.as_tensor(iteration, dtype=torch.float64).unsqueeze(-1) / self.iterations_per_task
+        task = torch.arange(self.num_tasks, dtype=torch.float64)
+        ramp_in = 0.5 + 2 * (progress - task)
+        ramp_out = 0.5 + 2 * (task + 1 - progress)
+        ramp_in[..., 0] = math.inf
+        ramp_out[..., -1] = math.inf
+        return torch.minimum(ramp_in, ramp_out).clamp(0, 1)
+
+    def batches(self, start_iteration: int = 0) -> Iterator[tuple[int, Batch]]:
+        _check_start(start_iteration, self.num_iterations)
+        for iteration in range(start_iteration, self.num_iterations):
+            generator = _generator(self.seed, _ITERATION_SAMPLE, iteration)
+            tasks = torch.multinomial(
+                self.task_probabilities(iteration), self.batch_size, replacement=True, generator=generator
+            )
+            indices = torch.randperm(self.benchmark.num_train, generator=generator)[: self.batch_size]
+            yield iteration, self.train_batch(tasks, indices)
+
+
+class VisionMix(_SequentialTaskStream):
+    """Task-aware continual learning on vision datasets (paper appendix "Task-aware continual learning on
+    vision datasets", following Ritter et al. 2018): MNIST, notMNIST, Fashion-MNIST, SVHN, CIFAR-10 in
+    sequence, ``epochs_per_task`` epochs each (paper: 20, batch size 64).
+
+    Every image becomes 3x32x32: grayscale is zero-padded 28 -> 32 (centred) and replicated to 3 channels.
+    Each dataset is normalised to zero mean and unit variance per channel, with statistics of its own
+    (converted) training set. ``Batch.task`` is the dataset index, which the runner gives to the task-aware
+    (multi-head) learners. ``datasets`` holds names for :func:`foovb.data.load_dataset` (read from
+    ``data_dir``) or already loaded :class:`ImageDataset` objects.
+    """
+
+    task_aware = True
+    input_shape = _VISION_MIX_SHAPE
+
+    def __init__(
+        self,
+        datasets: Sequence[str | ImageDataset] = DATASET_NAMES,
+        data_dir: str | Path = "data",
+        epochs_per_task: int = 20,
+        batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        loaded = [
+            load_dataset(dataset, data_dir) if isinstance(dataset, str) else dataset for dataset in datasets
+        ]
+        if not loaded:
+            raise ValueError("VisionMix needs at least one dataset")
+        self.dataset_names = tuple(dataset.name for dataset in loaded)
+        self.num_classes = max(dataset.num_classes for dataset in loaded)
+        self._train_images = [_pad_to_32(dataset.train_images, dataset.name) for dataset in loaded]
+        """uint8 (N, C, 32, 32) per dataset, C = 1 or 3 (grayscale is replicated only when normalising)"""
+        self._test_images = [_pad_to_32(dataset.test_images, dataset.name) for dataset in loaded]
+        self._train_labels = [dataset.train_labels for dataset in loaded]
+        self._test_labels = [dataset.test_labels for dataset in loaded]
+        self.channel_statistics = [
+            _channel_statistics(images, name)
+            for images, name in zip(self._train_images, self.dataset_names, strict=True)
+        ]
+        """(mean, std) per dataset, float32 of shape (C, 1, 1), in raw pixel units"""
+        super().__init__([len(images) for images in self._train_images], epochs_per_task, batch_size, seed)
+
+    def _normalise(self, task: int, images: Tensor) -> Tensor:
+        mean, std = self.channel_statistics[task]
+        return ((images.float() - mean) / std).expand(-1, *_VISION_MIX_SHAPE)
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        return _gather_by_task(
+            tasks,
+            indices,
+            lambda task, rows: (
+                self._normalise(task, self._train_images[task][rows]),
+                self._train_labels[task][rows],
+            ),
+        )
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        return self._normalise(task, self._test_images[task]).contiguous(), self._test_labels[task]
+
+
+def _pad_to_32(images: Tensor, name: str) -> Tensor:
+    """Zero-pad uint8 ``(N, C, H, W)`` images to 32x32, centred (28 -> 2 pixels each side)."""
+    channels, height, width = images.shape[1:]
+    if channels not in (1, 3) or height > _PADDED_SIDE or width > _PADDED_SIDE:
+        raise ValueError(f"{name}: cannot convert images of shape {tuple(images.shape[1:])} to 3x32x32")
+    top, left = (_PADDED_SIDE - height) // 2, (_PADDED_SIDE - width) // 2
+    return F.pad(images, (left, _PADDED_SIDE - width - left, top, _PADDED_SIDE - height - top))
+
+
+def _channel_statistics(images: Tensor, name: str, chunk_size: int = 4096) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and standard deviation of uint8 ``(N, C, H, W)`` images, as float32 ``(C, 1, 1)``."""
+    total = torch.zeros(images.shape[1], dtype=torch.float64)
+    total_square = torch.zeros_like(total)
+    for chunk in images.split(chunk_size):
+        values = chunk.double()
+        total += values.sum(dim=(0, 2, 3))
+        total_square += values.square().sum(dim=(0, 2, 3))
+    count = images.numel() // images.shape[1]
+    mean = total / count
+    std = (total_square / count - mean.square()).clamp_min(0).sqrt()
+    if (std == 0).any():
+        raise ValueError(f"{name}: a channel is constant over the training set, cannot normalise it")
+    return mean.float().view(-1, 1, 1), std.float().view(-1, 1, 1)
+
+
+class JointStream:
+    """The joint-training oracle (the "Offline (oracle)" curve of the continuous experiment): the training
+    data of all of ``scenario``'s tasks mixed together, reshuffled every epoch, for the same number of
+    iterations, batch size and evaluation points as ``scenario``."""
+
+    def __init__(self, scenario: Scenario, seed: int = 0) -> None:
+        _check_seed(seed)
+        self.scenario = scenario
+        self.seed = seed
+        self.num_tasks = scenario.num_tasks
+        self.num_iterations = scenario.num_iterations
+        self.eval_points = scenario.eval_points
+        self.input_shape = scenario.input_shape
+        self.num_classes = scenario.num_classes
+        self.batch_size = scenario.batch_size
+        self.task_aware = scenario.task_aware
+        self.train_sizes = scenario.train_sizes
+        self._task_offsets = torch.tensor([0, *accumulate(scenario.train_sizes)])
+        self.pool_size = int(self._task_offsets[-1])
+        self.batches_per_epoch = math.ceil(self.pool_size / scenario.batch_size)
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        return self.scenario.test_set(task)
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        return self.scenario.train_batch(tasks, indices)
+
+    def batches(self, start_iteration: int = 0) -> Iterator[tuple[int, Batch]]:
+        _check_start(start_iteration, self.num_iterations)
+        iteration = start_iteration
+        while iteration < self.num_iterations:
+            epoch, first_batch = divmod(iteration, self.batches_per_epoch)
+            order = torch.randperm(self.pool_size, generator=_generator(self.seed, _JOINT_SHUFFLE, epoch))
+            last_batch = min(self.batches_per_epoch, first_batch + self.num_iterations - iteration)
+            for position in range(first_batch, last_batch):
+                pool_indices = order[position * self.batch_size : (position + 1) * self.batch_size]
+                tasks = torch.bucketize(pool_indices, self._task_offsets[1:], right=True)
+                yield iteration, self.train_batch(tasks, pool_indices - self._task_offsets[tasks])
+                iteration += 1
