@@ -289,8 +289,8 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
 
 
 class OnlineEWCLearner(PerIterationConsolidationLearner):
-    """Online EWC (Schwarz et al. 2018, "Progress & Compress", eq. 8; Chaudhry et al. 2018, "Riemannian
-    walk", EWC++) with the consolidation taken at every iteration (task-agnostic adaptation of the paper).
+    """Online EWC (Schwarz et al. 2018, "Progress & Compress"; Chaudhry et al. 2018, "Riemannian Walk", EWC++)
+    with the consolidation taken at every iteration (the paper's task-agnostic adaptation).
 
     Penalty ``reg/2 * sum_k F_k (theta_k - theta*_k)^2`` (``curvature_scale = reg``), applied by the
     per-iteration proximal rule of ``PerIterationConsolidationLearner``; running Fisher
@@ -347,7 +347,7 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
 
 
 class MASLearner(PerIterationConsolidationLearner):
-    """Memory Aware Synapses (Aljundi et al. 2018, eq. 2-4) with per-iteration consolidation.
+    """Memory Aware Synapses (Aljundi et al. 2018) with per-iteration consolidation.
 
     Importance ``Omega_batch = | grad_theta (1/B) sum_n ||f(x_n; theta_t)||_2^2 |`` with ``f`` the (task-head)
     logits: the sensitivity of the squared L2 norm of the output, from the batch-mean gradient (as in the
@@ -387,9 +387,9 @@ class MASLearner(PerIterationConsolidationLearner):
 class SILearner(BaselineLearner):
     """Synaptic Intelligence (Zenke et al. 2017), task-aware: needs the task id in ``observe``.
 
-    Per step (eq. 3 discretised): ``omega_k -= g_k * delta_theta_k`` with ``g`` the gradient of the
-    *unregularised* cross-entropy and ``delta_theta`` the parameter update. When the task id differs from the
-    previous call's, the finished task is consolidated (eq. 5):
+    Per step (the discretised path integral): ``omega_k -= g_k * delta_theta_k`` with ``g`` the gradient of
+    the *unregularised* cross-entropy and ``delta_theta`` the parameter update. When the task id
+    differs from the previous call's, the finished task is consolidated (eq. 5):
     ``Omega_k += max(0, omega_k / (Delta_k^2 + xi))`` with ``Delta`` the parameter change over that task,
     then ``omega <- 0`` and the anchor ``theta~ <-`` the current parameters. The loss is (eq. 4)
     ``L + c * sum_k Omega_k (theta~_k - theta_k)^2``. Negative per-task contributions (possible when the
@@ -427,7 +427,7 @@ class SILearner(BaselineLearner):
         )
 
     def _consolidate(self) -> None:
-        """End of a task: fold the path integral into the importance and move the anchor (eq. 5)."""
+        """End of a task: fold the path integral into the importance (eq. 5) and move the anchor."""
         with torch.no_grad():
             for name, parameter in self.trainable_parameters.items():
                 task_change = parameter - self.anchor[name]

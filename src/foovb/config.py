@@ -127,6 +127,10 @@ def validate(config: Config) -> Config:
         _positive(f"scenario.{key}", getattr(s, key))
     if s.seed < 0 or config.seed < 0:
         raise ConfigError("seed: must be non-negative")
+    if s.train_subset is not None and s.kind != "discrete_permuted_mnist":
+        raise ConfigError("scenario.train_subset: only the discrete permuted MNIST scenario takes a subset")
+    if s.eval_every is not None and s.kind != "continuous_permuted_mnist":
+        raise ConfigError("scenario.eval_every: only the continuous scenario evaluates at fixed intervals")
     if s.kind == "vision_mix" and s.data_dir is None:
         raise ConfigError("scenario.data_dir: the vision mix needs a data directory")
     if config.model.kind not in ("mlp", "lenet"):

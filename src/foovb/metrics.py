@@ -94,8 +94,9 @@ def nll(probs: ArrayLike | Tensor, y: ArrayLike | Tensor, min_probability: float
 
 
 def ece(probs: ArrayLike | Tensor, y: ArrayLike | Tensor, n_bins: int = 15) -> float:
-    """Expected calibration error (Guo et al. 2017, eq. 3) with ``n_bins`` equal-width confidence bins.
+    """Expected calibration error (Guo et al. 2017, "On calibration of modern neural networks").
 
+    With ``n_bins`` equal-width confidence bins,
     ``ECE = sum_b |B_b|/n * |acc(B_b) - conf(B_b)|`` where the confidence is the top-class probability and
     bin ``b`` holds the confidences in ``(b/n_bins, (b+1)/n_bins]``.
     """
@@ -146,7 +147,7 @@ def first_task_accuracy(accuracy_matrix: ArrayLike) -> np.ndarray:
 
 
 def forgetting(accuracy_matrix: ArrayLike) -> float:
-    """Average forgetting after the last stage (Chaudhry et al. 2018, "Riemannian Walk", eq. 9-10).
+    """Average forgetting after the last stage (Chaudhry et al. 2018, "Riemannian Walk").
 
     ``f_j = max_{l < T-1} R[l, j] - R[T-1, j]`` averaged over tasks ``j = 0 .. T-2``; not-yet-seen (NaN)
     entries are ignored by the max.
@@ -159,7 +160,8 @@ def forgetting(accuracy_matrix: ArrayLike) -> float:
 
 
 def backward_transfer(accuracy_matrix: ArrayLike) -> float:
-    """Backward transfer (Lopez-Paz & Ranzato 2017, GEM, eq. 3): ``mean_{j < T-1} R[T-1, j] - R[j, j]``."""
+    """Backward transfer (Lopez-Paz & Ranzato 2017, "Gradient Episodic Memory"):
+    ``mean_{j < T-1} R[T-1, j] - R[j, j]``."""
     matrix = validate_accuracy_matrix(accuracy_matrix)
     _require_two_tasks(matrix, "backward transfer")
     num_tasks = matrix.shape[0]

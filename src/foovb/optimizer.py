@@ -46,7 +46,8 @@ class FOOVB(torch.optim.Optimizer):
         posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
             Algorithm 3, per nn.Linear / nn.Conv2d; other parameters fall back to diagonal) or "full"
             (multivariate, Algorithm 2, one full covariance per module; small layers only).
-        mc_samples: K, Monte Carlo samples per step.
+        mc_samples: K, Monte Carlo samples per step. K = 1 is allowed but unstable: one sample's E[g eps] can
+            be strongly negative, inflating sigma and then the mean step sigma^2 E[g] (the paper uses 10).
         std_init: initial posterior std of the diagonal and full families (paper: 0.047 discrete,
             0.06 continuous permuted MNIST).
         alpha: matrix-variate initialisation split (Implementation details): the mean carries a fraction
@@ -106,6 +107,9 @@ class FOOVB(torch.optim.Optimizer):
         self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
+        # The Monte Carlo sample indices this process evaluates: all of them, or a share under MC-parallel
+        # torch.distributed training (the update always averages over all mc_samples after the all-reduce).
+        self.sample_shard = range(mc_samples)
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
         if init == "paper" and posterior != "kronecker":
@@ -229,7 +233,7 @@ class FOOVB(torch.optim.Optimizer):
         stats = {block: block.new_statistics() for block in self.blocks}
         losses = []
         try:
-            for k in range(self.mc_samples):
+            for k in self.sample_shard:
                 noises = self.draw_noise(seed, range(k, k + 1))
                 self._load_sample(noises, 0)
                 for block in self.blocks:
@@ -265,7 +269,8 @@ class FOOVB(torch.optim.Optimizer):
         rows = inputs.shape[0]
         if targets.shape[0] != rows:
             raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
-        chunk = self.mc_samples if chunk_size is None else min(chunk_size, self.mc_samples)
+        shard = self.sample_shard
+        chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
         seed = self._next_seed()
         modules: dict[nn.Module, list[PosteriorBlock]] = {}
         for block in self.blocks:
@@ -273,8 +278,8 @@ class FOOVB(torch.optim.Optimizer):
         stats = {block: block.new_statistics() for block in self.blocks}
         shared_inputs: dict = {}
         losses = []
-        for start in range(0, self.mc_samples, chunk):
-            samples = range(start, min(start + chunk, self.mc_samples))
+        for start in range(0, len(shard), chunk):
+            samples = shard[start : start + chunk]
             c = len(samples)
             noises = self.draw_noise(seed, samples)
             with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
@@ -293,7 +298,7 @@ class FOOVB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> None:
-        """Check the statistics, all-reduce them under torch.distributed, then UPDATE every block."""
+        """All-reduce the statistics under torch.distributed, check them, then UPDATE every block."""
         if self.process_group is not None:
             from .distributed import all_reduce_statistics
 

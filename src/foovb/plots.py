@@ -15,8 +15,6 @@ import numpy as np
 from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 
-from foovb.metrics import validate_accuracy_matrix
-
 Curve = tuple[ArrayLike, ArrayLike]
 
 
@@ -162,25 +160,33 @@ def plot_accuracy_matrix(
     accuracy_matrix: ArrayLike,
     path: str | os.PathLike[str],
     title: str = "Accuracy matrix",
+    max_annotated_cells: int = 400,
 ) -> Path:
-    """Heatmap of ``R[i, j]`` (accuracy on task ``j`` after training stage ``i``), values annotated.
+    """Heatmap of ``R[i, j]``: accuracy on task ``j`` at evaluation ``i``.
 
-    Not-yet-seen (NaN) entries are left blank.
+    ``R`` may be the square matrix of the metrics (rows = training stages) or have one row per evaluation
+    point (``(E, T)``, e.g. every evaluation of a continuous run). NaN entries (task not evaluated / not yet
+    seen) are left blank. Values are written in the cells when there are at most ``max_annotated_cells``.
     """
-    matrix = validate_accuracy_matrix(accuracy_matrix)
-    num_tasks = matrix.shape[0]
-    figure = Figure(figsize=(1.0 + 0.6 * num_tasks + 1.5, 1.0 + 0.6 * num_tasks))
+    matrix = np.asarray(accuracy_matrix, dtype=float)
+    if matrix.ndim != 2 or matrix.size == 0:
+        raise ValueError(f"accuracy matrix must be a non-empty 2-D array, got shape {matrix.shape}")
+    if np.any(np.isinf(matrix)) or np.all(np.isnan(matrix)):
+        raise ValueError("accuracy matrix must hold finite values (NaN only where a task was not evaluated)")
+    num_rows, num_tasks = matrix.shape
+    figure = Figure(figsize=(2.5 + 0.6 * min(num_tasks, 15), 1.0 + 0.6 * min(num_rows, 12)))
     axes = figure.add_subplot()
-    image = axes.imshow(np.ma.masked_invalid(matrix), cmap="viridis", origin="upper")
+    image = axes.imshow(np.ma.masked_invalid(matrix), cmap="viridis", aspect="auto", interpolation="nearest")
     figure.colorbar(image, ax=axes, label="Accuracy")
-    for stage, task in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
-        value = matrix[stage, task]
-        text_color = "black" if image.norm(value) > 0.6 else "white"  # readable on the viridis colours
-        axes.text(task, stage, f"{value:.2f}", ha="center", va="center", color=text_color, fontsize=7)
-    tick_labels = [str(index + 1) for index in range(num_tasks)]
-    axes.set_xticks(range(num_tasks), tick_labels)
-    axes.set_yticks(range(num_tasks), tick_labels)
+    if matrix.size <= max_annotated_cells:
+        for row, task in zip(*np.nonzero(np.isfinite(matrix)), strict=True):
+            value = matrix[row, task]
+            text_color = "black" if image.norm(value) > 0.6 else "white"  # readable on the viridis colours
+            axes.text(task, row, f"{value:.2f}", ha="center", va="center", color=text_color, fontsize=7)
+        axes.set_yticks(range(num_rows), [str(row + 1) for row in range(num_rows)])
+    if num_tasks <= 30:
+        axes.set_xticks(range(num_tasks), [str(task + 1) for task in range(num_tasks)])
     axes.set_title(title)
     axes.set_xlabel("Evaluated task j")
-    axes.set_ylabel("After training on task i")
+    axes.set_ylabel("Training stage / evaluation i")
     return _save(figure, path)

@@ -1,0 +1,136 @@
+"""Step time of FOO-VB vs SGD on the paper's 784-100-100-10 MLP, batch 128 (issue: speed targets).
+
+Prints, measured in this one run on this machine:
+* SGD step time; FOO-VB diagonal step time and ratio to SGD for K = 1, 2, 10, 32, batched and sequential
+  (the sequential path is "plain repetition": K forward/backward passes, like the reference code);
+* the matrix-variate (Kronecker) step for K = 10, with the share of time spent in the posterior update;
+* the full-covariance family on a small 64-32-10 MLP.
+
+    python benchmarks/step_time.py [--repeats 30] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foovb import FOOVB
+from foovb.data import MNIST_MEAN, MNIST_STD, load_mnist
+
+
+def mlp(sizes=(784, 100, 100, 10)) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return 1e3 * statistics.median(times)
+
+
+def sgd_step_ms(x, y, repeats: int, sizes=(784, 100, 100, 10)) -> float:
+    model = mlp(sizes)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        opt.step()
+
+    return median_ms(step, repeats)
+
+
+def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, sizes=(784, 100, 100, 10)) -> float:
+    model = mlp(sizes)
+    opt = FOOVB(model, posterior, mc_samples=k, seed=0)
+    loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="sum")  # noqa: E731
+
+    def closure() -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    def step() -> None:
+        nonlocal opt
+        try:
+            opt.step_batched(x, y, loss_fn) if batched else opt.step(closure)
+        except FloatingPointError:  # K = 1 can diverge on one repeated batch (noisy E[g eps]); start over
+            opt = FOOVB(model, posterior, mc_samples=k, seed=0)
+
+    return median_ms(step, repeats)
+
+
+def update_share(x, y, k: int, repeats: int) -> tuple[float, float]:
+    """Time of a Kronecker step and of its UPDATE alone (statistics -> new M, A, B for all layers)."""
+    model = mlp()
+    opt = FOOVB(model, "kronecker", mc_samples=k, seed=0)
+    captured = {}
+    original = opt._apply_update
+
+    def capture(stats, losses, num_samples):
+        captured["args"] = (stats, losses, num_samples)
+        return original(stats, losses, num_samples)
+
+    opt._apply_update = capture
+    step = median_ms(lambda: opt.step_batched(x, y), repeats)
+    stats, losses, num_samples = captured["args"]
+    saved = [dict(b.state) for b in opt.blocks]
+
+    def update_only() -> None:
+        for block, state in zip(opt.blocks, saved, strict=True):
+            block.state.update(state)
+        original(stats, losses, num_samples)
+
+    return step, median_ms(update_only, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    mnist = load_mnist()  # a real batch: random inputs with random labels make the summed-loss updates diverge
+    x = (mnist.train_images[:128].flatten(1).float() / 255 - MNIST_MEAN) / MNIST_STD
+    y = mnist.train_labels[:128]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLP 784-100-100-10, batch 128; "
+          f"median of {args.repeats} steps")
+    sgd = sgd_step_ms(x, y, args.repeats)
+    print(f"\nSGD step: {sgd:.3f} ms\n")
+    print("| posterior | K | batched ms | batched / SGD | sequential ms | sequential / SGD |")
+    print("|---|---|---|---|---|---|")
+    for k in (1, 2, 10, 32):
+        batched = foovb_step_ms(x, y, "diagonal", k, True, args.repeats)
+        sequential = foovb_step_ms(x, y, "diagonal", k, False, max(5, args.repeats // 3))
+        print(f"| diagonal | {k} | {batched:.2f} | {batched / sgd:.1f} | {sequential:.2f} | {sequential / sgd:.1f} |")
+    step, update = update_share(x, y, 10, args.repeats)
+    sequential = foovb_step_ms(x, y, "kronecker", 10, False, max(5, args.repeats // 3))
+    print(f"| kronecker | 10 | {step:.2f} | {step / sgd:.1f} | {sequential:.2f} | {sequential / sgd:.1f} |")
+    print(f"\nKronecker K=10 batched step: {step:.1f} ms, of which the UPDATE of all three layers "
+          f"(Lemma 1 for A and B, mean) {update:.1f} ms ({100 * update / step:.0f}%)")
+    small = (64, 32, 10)
+    xs = x[:, ::12][:, :64].contiguous()
+    sgd_small = sgd_step_ms(xs, y, args.repeats, small)
+    full = foovb_step_ms(xs, y, "full", 10, True, args.repeats, small)
+    print(f"Full covariance, MLP 64-32-10 (blocks of 2080 and 330 parameters), K=10: {full:.1f} ms "
+          f"= {full / sgd_small:.0f} x SGD ({sgd_small:.3f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Multi-process FOO-VB training with torch.distributed (launch: docs/distributed.md).
+
+One FOO-VB step needs, from every Monte Carlo sample k, the gradient g_k of the summed mini-batch loss L_n at
+theta_k = mu + A eps_k, and only through *sums over k* of a few products of g_k and eps_k (each posterior
+block's statistics, see `PosteriorBlock.accumulate`). Sums can be split over processes and added back with a
+single all-reduce, in two ways:
+
+* ``mode="mc"`` (MC-parallel): every process sees the same batch and evaluates a contiguous share of the K
+  sample indices (`FOOVB.sample_shard`); the statistics of the shares are summed.
+* ``mode="data"`` (data-parallel): every process evaluates all K samples, with the same noise, on its own
+  contiguous shard of the batch (`shard_batch`). L_n is a *sum* over rows, so the full batch's statistics are
+  the sum of the shards' statistics (this needs ``loss_reduction="sum"``).
+
+In both modes `all_reduce_statistics` (called by `FOOVB._apply_update` whenever `FOOVB.process_group` is set)
+sums the statistics and the per-sample losses with one all-reduce per dtype (one in practice), so every
+process applies the identical update, raises identically on NaN/Inf and returns the same mean loss.
+
+Reproducibility: the noise of sample k of block b at a step is a pure function of (step seed, b, k)
+(`FOOVB.draw_noise`), and the step seeds come from `FOOVB.generator`, whose state `distribute` broadcasts from
+rank 0 together with the posterior. The samples evaluated by all processes together are therefore exactly
+those one process draws for the same seed, whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .optimizer import FOOVB
+from .posteriors import FAMILIES, PosteriorBlock
+
+__all__ = [
+    "MODES",
+    "init_from_env",
+    "setup_run",
+    "distribute",
+    "shard_batch",
+    "sample_range",
+    "all_reduce_statistics",
+]
+
+MODES = ("mc", "data")
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _require_initialized(what: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs an initialised torch.distributed process group: launch the script with torchrun "
+            "and call foovb.distributed.init_from_env() (or torch.distributed.init_process_group) first"
+        )
+
+
+def _group_or_world(group: Any | None) -> Any:
+    return dist.group.WORLD if group is None else group
+
+
+def _comm_device(group: Any) -> torch.device:
+    """Where the tensors of a collective must live: the current GPU for NCCL, the CPU otherwise (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Args:
+        backend: "gloo" or "nccl"; default nccl when CUDA is available (then the process also selects the
+            GPU LOCAL_RANK), gloo otherwise.
+        timeout_s: how long a collective waits for the other processes before failing. A process that dies
+            breaks its peers' connections at once (and torchrun stops the job when a process exits non-zero);
+            the timeout bounds the wait when a process hangs instead.
+    Does nothing if the process group is already initialised.
+    """
+    if dist.is_initialized():
+        return
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"environment variables {', '.join(missing)} are not set: launch with torchrun "
+                           "(see docs/distributed.md)")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def setup_run(learner_kind: str) -> bool:
+    """For the experiment runner: is this run distributed? Initialises the process group under torchrun.
+
+    A run is distributed when launched with WORLD_SIZE > 1 (torchrun; gloo, since the runner trains on the
+    CPU) or when the caller already initialised a process group of more than one process. Only FOO-VB
+    learners support it (MC-parallel); the baselines raise ValueError.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not launched and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if learner_kind != "foovb":
+        raise ValueError(f"learner {learner_kind!r} runs single-process only; multi-process training "
+                         "(torchrun) is implemented for the foovb learner")
+    init_from_env(backend="gloo")
+    return True
+
+
+def sample_range(num_samples: int, rank: int, world_size: int) -> range:
+    """The contiguous share of the sample indices 0..num_samples-1 that process `rank` evaluates (MC mode)."""
+    if num_samples < world_size:
+        raise ValueError(f"mc_samples={num_samples} is smaller than the {world_size} processes: in "
+                         "MC-parallel mode every process needs at least one Monte Carlo sample (use fewer "
+                         "processes, more samples or mode='data')")
+    return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+def _check_same_everywhere(values: list[int], names: list[str], group: Any) -> None:
+    """Raise ValueError on every process if some process has different `values` (one all-reduce)."""
+    local = torch.tensor(values, dtype=torch.int64)
+    both = torch.cat([local, -local]).to(_comm_device(group))
+    dist.all_reduce(both, dist.ReduceOp.MAX, group=group)
+    both = both.cpu()
+    high, low = both[: len(values)], -both[len(values):]
+    differ = [name for name, hi, lo in zip(names, high.tolist(), low.tolist(), strict=True) if hi != lo]
+    if differ:
+        raise ValueError(f"the processes disagree on {', '.join(differ)}: every process must build the same "
+                         "model and optimizer settings")
+
+
+def _broadcast_(tensor: Tensor, group: Any) -> None:
+    """Overwrite `tensor` in place with its value on the group's first process."""
+    staged = tensor.detach().to(_comm_device(group)).contiguous()
+    dist.broadcast(staged, src=dist.get_global_rank(group, 0), group=group)
+    if staged is not tensor:
+        tensor.copy_(staged)
+
+
+def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> None:
+    """Make `optimizer` train jointly with the other processes of `group` (default: all processes).
+
+    Call it on every process, after building the identical model and optimizer (and after loading a
+    checkpoint, if any). It broadcasts the noise generator's state, the step counter and the posterior of the
+    group's first process, so all processes start identical, and then sets `optimizer.process_group`,
+    `optimizer.sample_shard` and `optimizer.distributed_mode`.
+
+    Args:
+        mode: "mc" (every process gets the same batch and evaluates its share of the K samples; needs
+            K >= number of processes) or "data" (every process gets its shard of the batch, see
+            `shard_batch`, and evaluates all K samples; needs loss_reduction="sum").
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
+            processes' optimizers differ in family, K, loss reduction or posterior size.
+    """
+    _require_initialized("foovb.distributed.distribute")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "data" and optimizer.loss_reduction != "sum":
+        raise ValueError("mode='data' needs loss_reduction='sum': with 'mean' each process's loss would be "
+                         "the mean over its own shard, and the shards' statistics could not be summed")
+    group = _group_or_world(group)
+    state = [block.state[key] for block in optimizer.blocks for key in sorted(block.state)]
+    _check_same_everywhere(
+        [FAMILIES.index(optimizer.posterior_family), optimizer.mc_samples, MODES.index(mode),
+         optimizer.loss_reduction == "sum", len(optimizer.blocks), sum(t.numel() for t in state)],
+        ["posterior family", "mc_samples", "mode", "loss_reduction", "number of posterior blocks",
+         "posterior size"], group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    num_samples = optimizer.mc_samples
+    shard = sample_range(num_samples, rank, world_size) if mode == "mc" else range(num_samples)
+    generator_state = optimizer.generator.get_state()
+    _broadcast_(generator_state, group)
+    optimizer.generator.set_state(generator_state)
+    steps = torch.tensor([optimizer.steps_taken], dtype=torch.int64)
+    _broadcast_(steps, group)
+    optimizer.steps_taken = int(steps.item())
+    for tensor in state:
+        _broadcast_(tensor, group)
+    optimizer.load_mean_into_model()
+    optimizer.process_group = group
+    optimizer.sample_shard = shard
+    optimizer.distributed_mode = mode
+
+
+def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...]:
+    """This process's contiguous share of the rows of each tensor (data mode); shares differ by <= 1 row."""
+    _require_initialized("foovb.distributed.shard_batch")
+    group = _group_or_world(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) != 1:
+        raise ValueError(f"the tensors have different numbers of rows: {sorted(rows)}")
+    (num_rows,) = rows
+    if num_rows < world_size:
+        raise ValueError(f"a batch of {num_rows} rows cannot be split over {world_size} processes")
+    return tuple(torch.tensor_split(t, world_size)[rank] for t in tensors)
+
+
+def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], num_samples: int,
+                          losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+    """Sum the Monte Carlo statistics and the per-sample losses over the processes (one all-reduce per dtype).
+
+    `losses` holds this process's losses of the samples `optimizer.sample_shard`. They are placed at their
+    sample indices in a length-K vector before the sum, so the result is, per sample, the sample's loss (MC
+    mode: one process evaluated it) or the sum of the shards' summed losses (data mode: the full batch's
+    loss). The reduced losses replace the contents of `losses` in place, so that `step` / `step_batched`,
+    which average that list after the update, return the mean over all K samples of the full batch on every
+    process.
+    They travel in the statistics' widest floating dtype (at least float32).
+
+    Returns (reduced statistics, num_samples, losses); low-rank statistics come back dense (the update is
+    mathematically the same). `num_samples` is unchanged: both modes sum over exactly K samples. Records the
+    bytes it all-reduced in `optimizer.all_reduce_bytes`.
+    """
+    group = optimizer.process_group
+    shard = optimizer.sample_shard
+    if len(losses) != len(shard):
+        raise RuntimeError(f"{len(losses)} losses for the {len(shard)} samples of this process")
+    per_block = [block.stats_tensors(stats[block]) for block in optimizer.blocks]
+    flat = [t for tensors in per_block for t in tensors]
+    loss_dtype = functools.reduce(torch.promote_types, [t.dtype for t in flat], torch.float32)
+    loss_vector = torch.zeros(num_samples, dtype=loss_dtype)
+    loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype)
+    flat.append(loss_vector)
+    device = _comm_device(group)
+    positions: dict[torch.dtype, list[int]] = {}
+    for index, t in enumerate(flat):
+        positions.setdefault(t.dtype, []).append(index)
+    reduced: list[Tensor] = list(flat)
+    optimizer.all_reduce_bytes = 0
+    for indices in positions.values():
+        buffer = torch.cat([flat[i].reshape(-1).to(device) for i in indices])
+        dist.all_reduce(buffer, dist.ReduceOp.SUM, group=group)
+        optimizer.all_reduce_bytes += buffer.numel() * buffer.element_size()
+        for i, part in zip(indices, buffer.split([flat[i].numel() for i in indices]), strict=True):
+            reduced[i] = part.view(flat[i].shape).to(flat[i].device)
+    new_stats = {}
+    offset = 0
+    for block, tensors in zip(optimizer.blocks, per_block, strict=True):
+        new_stats[block] = block.stats_from_tensors(reduced[offset : offset + len(tensors)])
+        offset += len(tensors)
+    losses[:] = reduced[-1].tolist()
+    return new_stats, num_samples, losses

@@ -1,0 +1,135 @@
+"""The experiment runner, config validation and CLI, end to end on real (subsampled) MNIST."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from foovb.cli import main
+from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
+from foovb.runner import run
+
+QUICK = {
+    "name": "quick",
+    "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 1024,
+                 "batch_size": 64},
+    "model": {"kind": "mlp", "hidden": [32, 32]},
+    "learner": {"kind": "foovb", "params": {"posterior": "diagonal", "mc_samples": 4, "eval_samples": 4}},
+    "evaluation": {"test_subset": 500},
+    "checkpoint_every": 7,
+}
+
+
+def quick(**changes) -> dict:
+    data = json.loads(json.dumps(QUICK))
+    return apply_overrides(data, [f"{k}={v}" for k, v in changes.items()])
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"scenario.bacth_size": 3}, "scenario.bacth_size"),
+        ({"scenario.batch_size": "abc"}, "scenario.batch_size"),
+        ({"scenario.batch_size": 0}, "scenario.batch_size"),
+        ({"scenario.kind": "rotated"}, "scenario.kind"),
+        ({"model.hidden": "[10, -1]"}, "model.hidden[1]"),
+        ({"evaluation.test_subset": "true"}, "evaluation.test_subset"),
+        ({"seed": -1}, "seed"),
+        ({"scenario.eval_every": 5}, "scenario.eval_every"),
+    ],
+)
+def test_bad_config_names_the_key(change: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        config_from_dict(quick(**change))
+
+
+def test_overrides_and_yaml_file(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nscenario: {num_tasks: 3}\n")
+    config = load_config(path, ["scenario.batch_size=32", "learner.params={mc_samples: 2}"])
+    assert (config.scenario.num_tasks, config.scenario.batch_size) == (3, 32)
+    assert config.learner.params == {"mc_samples": 2}
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_bad_learner_hyperparameter_fails_before_training(tmp_path) -> None:
+    config = config_from_dict(quick(**{"learner.params.mc_sample": 3}))
+    with pytest.raises(ValueError, match="mc_sample"):
+        run(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "full"
+    summary = run(config_from_dict(quick()), run_dir, progress=False)
+    return run_dir, summary
+
+
+def test_end_to_end_learns_and_writes_every_output(finished_run) -> None:
+    run_dir, summary = finished_run
+    modes = summary["modes"]
+    assert set(modes) == {"mean", "bma", "single"}
+    # 2 tasks, 16 batches each: far above the 10% of chance on both tasks.
+    assert modes["mean"]["average_accuracy"] > 0.6
+    assert modes["mean"]["first_task_accuracy"] > 0.5
+    for name in ["config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "stds.npz", "checkpoint.pt",
+                 "accuracy_matrix_mean.csv", "accuracy_matrix_bma.csv", "accuracy_matrix_single.csv"]:
+        assert (run_dir / name).stat().st_size > 0, name
+    for name in ["average_accuracy_mean.png", "first_task_accuracy_mean.png", "std_histograms.png",
+                 "accuracy_matrix_mean.png"]:
+        assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [16, 32]
+    matrix = np.loadtxt(run_dir / "accuracy_matrix_mean.csv", delimiter=",")
+    assert matrix.shape == (2, 2)
+    np.testing.assert_allclose(matrix[-1].mean(), modes["mean"]["average_accuracy"])
+    stds = np.load(run_dir / "stds.npz")
+    assert len(stds.files) == 2 and all(stds[k].size == 784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10
+                                        for k in stds.files)
+
+
+def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path) -> None:
+    _, uninterrupted = finished_run
+    config = config_from_dict(quick())
+    partial = run(config, tmp_path / "r", progress=False, stop_after=21)
+    assert partial == {"interrupted_at": 21}
+    resumed = run(config, tmp_path / "r", resume=True, progress=False)
+    assert resumed["modes"] == uninterrupted["modes"]
+
+
+def test_resume_refuses_a_changed_config_and_a_missing_checkpoint(finished_run, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        run(config_from_dict(quick()), tmp_path / "none", resume=True, progress=False)
+    run_dir, _ = finished_run
+    with pytest.raises(ValueError, match="differs"):
+        run(config_from_dict(quick(**{"learner.params.mc_samples": 2})), run_dir, resume=True, progress=False)
+
+
+def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, capsys) -> None:
+    config = tmp_path / "sgd.yaml"
+    config.write_text(json.dumps(quick(**{
+        "learner.kind": "sgd", "learner.params": "{lr: 0.05}", "scenario.kind": "continuous_permuted_mnist",
+        "scenario.iterations_per_task": 12, "scenario.train_subset": "null", "scenario.eval_every": 6})))
+    assert main(["run", str(config), "--out", str(tmp_path / "sgd"), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "sgd" / "summary.json").read_text())
+    assert set(summary["modes"]) == {"mean"}
+    assert (tmp_path / "sgd" / "plots" / "task_schedule.png").exists()
+    records = (tmp_path / "sgd" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["iteration"] for r in records] == [6, 12, 18, 24]
+    run_dir, _ = finished_run
+    assert main(["compare", str(run_dir), str(tmp_path / "sgd"), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
+    assert len(table) == 1 + 3 + 1  # header, three FOO-VB modes, SGD
+    assert (tmp_path / "cmp" / "average_accuracy.png").exists()
+    assert "average_accuracy" in capsys.readouterr().out
+
+
+def test_cli_reports_config_errors(tmp_path, capsys) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("scenario: {batch_size: -3}\n")
+    assert main(["run", str(config), "--out", str(tmp_path / "x")]) == 2
+    assert "scenario.batch_size" in capsys.readouterr().err
