@@ -32,27 +32,34 @@ def _compare(args: argparse.Namespace) -> int:
     runs = [load_run(d) for d in args.run_dirs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    header = ["run", "learner", "scenario", "tasks", "iterations", "mc_samples", "mode", "average_accuracy",
+              "first_task_accuracy", "forgetting", "train_minutes", "ms_per_iteration"]
     rows = []
     average_curves, first_curves = {}, {}
     for r in runs:
-        s = r["summary"]
+        s, config = r["summary"], r["config"]
+        params = config["learner"]["params"]
+        mc = params.get("mc_samples", 10) if config["learner"]["kind"] == "foovb" else "-"
         stages = [rec["stage"] + 1 for rec in r["records"]]
         for mode, entry in s["modes"].items():
             label = f"{r['dir'].name} ({mode})"
-            rows.append([r["dir"].name, s["learner"], mode, f"{entry['average_accuracy']:.4f}",
-                         f"{entry['first_task_accuracy']:.4f}", f"{entry.get('forgetting', float('nan')):.4f}",
+            rows.append([r["dir"].name, s["learner"], s["scenario"], s["num_tasks"], s["iterations"], mc, mode,
+                         f"{entry['average_accuracy']:.4f}", f"{entry['first_task_accuracy']:.4f}",
+                         f"{entry.get('forgetting', float('nan')):.4f}", f"{s['train_seconds'] / 60:.1f}",
                          f"{s['seconds_per_iteration'] * 1e3:.2f}"])
             average_curves[label] = (stages, entry["average_accuracy_curve"])
             first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
-    header = ["run", "learner", "mode", "average_accuracy", "first_task_accuracy", "forgetting", "ms_per_iteration"]
     with open(out / "compare.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
+    markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    markdown += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    (out / "compare.md").write_text("\n".join(markdown) + "\n")
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for row in [header, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
     plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
     plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
-    print(f"table and plots in {out}")
+    print(f"table (compare.csv, compare.md) and plots in {out}")
     return 0
 
 

@@ -24,14 +24,16 @@ those one process draws for the same seed, whatever the number of processes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .linalg import LowRank
 from .optimizer import FOOVB
 from .posteriors import FAMILIES, PosteriorBlock
 
@@ -68,7 +70,7 @@ def _comm_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> None:
+def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
     Args:
@@ -200,48 +202,127 @@ def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...
     return tuple(torch.tensor_split(t, world_size)[rank] for t in tensors)
 
 
+class _Layout(NamedTuple):
+    """How one low-rank statistic L^T R travels: "dense"; "shared" (L is bitwise the same on every process,
+    e.g. the batch input under MC-parallel training: only R is summed); or "stacked" (every process writes L
+    and R into its rows offsets[r]:offsets[r + 1] of zero-filled stacked factors, so the sum concatenates)."""
+
+    kind: str
+    offsets: list[int]
+
+
+def _fingerprint(tensor: Tensor) -> int:
+    """A 56-bit hash of the tensor's bytes (to detect a low-rank left factor shared by all processes)."""
+    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
+    """Choose each low-rank statistic's `_Layout`, identically on every process (one small all-reduce).
+
+    A sum over processes of L_r^T R_r stays low rank, and keeps the update's cheap O(n^2 r) route (e.g. for
+    the input factor of a matrix-variate first layer, rank = batch rows), when every process holds it as
+    factors and either all L_r are the same (sum of the R_r, rank unchanged, as `LowRank.add` does for an
+    identical left factor) or the total rank stays below the matrix's n rows (`LowRank.add`'s own rule).
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    meta = torch.zeros(len(values), 2, world_size, dtype=torch.int64)  # [rank or -1 if dense, fingerprint]
+    for row, value in enumerate(values):
+        if value.dense is not None:
+            meta[row, 0, rank] = -1
+        elif value.left is not None:
+            meta[row, :, rank] = torch.tensor([value.rank, _fingerprint(value.left)])
+    meta = meta.to(_comm_device(group))
+    dist.all_reduce(meta, dist.ReduceOp.SUM, group=group)
+    layouts = []
+    for value, (ranks, fingerprints) in zip(values, meta.cpu().tolist(), strict=True):
+        if 0 in ranks:
+            raise RuntimeError(f"process {ranks.index(0)} has no Monte Carlo statistics to all-reduce")
+        size = value.dense.shape[0] if value.dense is not None else value.left.shape[1]
+        offsets = [0]
+        for r in ranks:
+            offsets.append(offsets[-1] + r)
+        if min(ranks) < 0:
+            layouts.append(_Layout("dense", []))
+        elif len(set(fingerprints)) == 1 and len(set(ranks)) == 1:
+            layouts.append(_Layout("shared", []))
+        else:
+            layouts.append(_Layout("stacked" if offsets[-1] < size else "dense", offsets))
+    return layouts
+
+
 def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], num_samples: int,
                           losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
-    """Sum the Monte Carlo statistics and the per-sample losses over the processes (one all-reduce per dtype).
+    """Sum the Monte Carlo statistics and the per-sample losses over the processes.
+
+    All statistics, with the losses, travel in one flat buffer per dtype and one all-reduce (one dtype in
+    practice). A low-rank statistic (`LowRank`: L^T R) travels as factors when that keeps it low rank (only R
+    when L is the same on every process; else every process's L and R in its own rows of zero-filled stacked
+    factors, so the sum is the concatenation), otherwise dense (see `_low_rank_layouts`). Models with
+    low-rank statistics (kronecker, full) add one tiny all-reduce that chooses.
 
     `losses` holds this process's losses of the samples `optimizer.sample_shard`. They are placed at their
     sample indices in a length-K vector before the sum, so the result is, per sample, the sample's loss (MC
     mode: one process evaluated it) or the sum of the shards' summed losses (data mode: the full batch's
     loss). The reduced losses replace the contents of `losses` in place, so that `step` / `step_batched`,
     which average that list after the update, return the mean over all K samples of the full batch on every
-    process.
-    They travel in the statistics' widest floating dtype (at least float32).
+    process. They travel in the statistics' widest floating dtype (at least float32).
 
-    Returns (reduced statistics, num_samples, losses); low-rank statistics come back dense (the update is
-    mathematically the same). `num_samples` is unchanged: both modes sum over exactly K samples. Records the
-    bytes it all-reduced in `optimizer.all_reduce_bytes`.
+    Returns (reduced statistics, num_samples, losses), identical on every process. `num_samples` is
+    unchanged: both modes sum over exactly K samples. Records the bytes it all-reduced (statistics, losses
+    and ranks) in `optimizer.all_reduce_bytes`.
     """
     group = optimizer.process_group
+    rank = dist.get_rank(group)
     shard = optimizer.sample_shard
     if len(losses) != len(shard):
         raise RuntimeError(f"{len(losses)} losses for the {len(shard)} samples of this process")
-    per_block = [block.stats_tensors(stats[block]) for block in optimizer.blocks]
-    flat = [t for tensors in per_block for t in tensors]
-    loss_dtype = functools.reduce(torch.promote_types, [t.dtype for t in flat], torch.float32)
+    entries = [(block, key, value) for block in optimizer.blocks for key, value in stats[block].items()]
+    low_rank = [value for _, _, value in entries if isinstance(value, LowRank)]
+    layouts = _low_rank_layouts(low_rank, group) if low_rank else []
+    optimizer.all_reduce_bytes = 16 * len(low_rank) * dist.get_world_size(group)
+    pieces: list[Tensor] = []  # this process's contribution, entry by entry (stacked LowRank: left, right)
+    layout_of = iter(layouts)
+    for _, _, value in entries:
+        layout = next(layout_of) if isinstance(value, LowRank) else None
+        if layout is None:
+            pieces.append(value)
+        elif layout.kind == "dense":
+            pieces.append(value.to_dense())
+        elif layout.kind == "shared":
+            pieces.append(value.right)
+        else:
+            begin, end = layout.offsets[rank], layout.offsets[rank + 1]
+            for factor in (value.left, value.right):
+                stacked = factor.new_zeros(layout.offsets[-1], factor.shape[1])
+                stacked[begin:end] = factor
+                pieces.append(stacked)
+    loss_dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces], torch.float32)
     loss_vector = torch.zeros(num_samples, dtype=loss_dtype)
     loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype)
-    flat.append(loss_vector)
+    pieces.append(loss_vector)
     device = _comm_device(group)
     positions: dict[torch.dtype, list[int]] = {}
-    for index, t in enumerate(flat):
+    for index, t in enumerate(pieces):
         positions.setdefault(t.dtype, []).append(index)
-    reduced: list[Tensor] = list(flat)
-    optimizer.all_reduce_bytes = 0
+    reduced = list(pieces)
     for indices in positions.values():
-        buffer = torch.cat([flat[i].reshape(-1).to(device) for i in indices])
+        buffer = torch.cat([pieces[i].reshape(-1).to(device) for i in indices])
         dist.all_reduce(buffer, dist.ReduceOp.SUM, group=group)
         optimizer.all_reduce_bytes += buffer.numel() * buffer.element_size()
-        for i, part in zip(indices, buffer.split([flat[i].numel() for i in indices]), strict=True):
-            reduced[i] = part.view(flat[i].shape).to(flat[i].device)
-    new_stats = {}
-    offset = 0
-    for block, tensors in zip(optimizer.blocks, per_block, strict=True):
-        new_stats[block] = block.stats_from_tensors(reduced[offset : offset + len(tensors)])
-        offset += len(tensors)
-    losses[:] = reduced[-1].tolist()
+        for i, part in zip(indices, buffer.split([pieces[i].numel() for i in indices]), strict=True):
+            reduced[i] = part.view(pieces[i].shape).to(pieces[i].device)
+    new_stats: dict[PosteriorBlock, dict] = {block: {} for block in optimizer.blocks}
+    values, layout_of = iter(reduced), iter(layouts)
+    for block, key, value in entries:
+        layout = next(layout_of) if isinstance(value, LowRank) else None
+        if layout is None:
+            new_stats[block][key] = next(values)
+        elif layout.kind == "dense":
+            new_stats[block][key] = LowRank(dense=next(values))
+        elif layout.kind == "shared":
+            new_stats[block][key] = LowRank(value.left, next(values))
+        else:
+            new_stats[block][key] = LowRank(next(values), next(values))
+    losses[:] = next(values).tolist()
     return new_stats, num_samples, losses

@@ -78,7 +78,8 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float = 1e-8) -> Te
     if (m64 - m64.T).abs().max() > symmetry_tol * scale:
         raise ValueError("M must be symmetric")
     eigenvalues, eigenvectors = torch.linalg.eigh(m64)
-    if eigenvalues.min() <= 0:
+    # eigenvalues within rounding of zero (n eps |lambda|_max) make M numerically singular
+    if eigenvalues.min() <= M.shape[0] * torch.finfo(torch.float64).eps * eigenvalues.abs().max():
         raise ValueError(
             f"M must be positive definite (smallest eigenvalue {eigenvalues.min().item():.3e}); "
             "X X^T + M T X^T - M = 0 has no solution otherwise"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
 import torch
@@ -26,6 +27,7 @@ from .sampled import SampledNetwork, check_batched_support
 __all__ = ["FOOVB"]
 
 _MASK64 = (1 << 64) - 1
+_NOISE_POOL: ThreadPoolExecutor | None = None
 
 
 def _mix(*values: int) -> int:
@@ -101,7 +103,7 @@ class FOOVB(torch.optim.Optimizer):
                         mean_step=mean_step, loss_reduction=loss_reduction)
         super().__init__(params, defaults)
         self.model = model
-        self.mc_samples = mc_samples
+        self._mc_samples = mc_samples
         self.mean_step = mean_step
         self.loss_reduction = loss_reduction
         self.posterior_family = posterior
@@ -115,17 +117,24 @@ class FOOVB(torch.optim.Optimizer):
         if init == "paper" and posterior != "kronecker":
             self._paper_init(model)
         self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params)
+        self._numel = sum(b.state["mean"].numel() for b in self.blocks)
         self.load_mean_into_model()
+
+    @property
+    def mc_samples(self) -> int:
+        """K, Monte Carlo samples per step (fixed at construction)."""
+        return self._mc_samples
 
     # -- construction ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def _paper_init(self, model: nn.Module) -> None:
         for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
+            if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
                 fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(module.weight)
                 std = math.sqrt(2.0 / (fan_in + fan_out))
-                module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
-                if module.bias is not None:
+                if module.weight.requires_grad:
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
+                if module.bias is not None and module.bias.requires_grad:
                     module.bias.zero_()
 
     def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
@@ -140,7 +149,8 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
                                  "not supported: each parameter needs one posterior)")
             seen.update(id(p) for p in direct)
-            if posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d)):
+            if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
+                    and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
                 if module.bias is not None and not module.bias.requires_grad:
                     raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
                 blocks.append(KroneckerBlock(module, self.state[module.weight], alpha, self.generator, init))
@@ -179,18 +189,32 @@ class FOOVB(torch.optim.Optimizer):
         """eps for the given sample indices, (len(samples), *noise_shape) per block.
 
         The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
-        any chunking and any split of the samples across processes see the same draws.
+        any chunking and any split of the samples across processes see the same draws. Blocks are drawn in
+        parallel threads (torch releases the GIL) when torch may use several.
         """
-        noises = {}
-        generator = torch.Generator()
-        for index, block in enumerate(self.blocks):
+
+        def draw(index: int) -> Tensor:
+            block = self.blocks[index]
             ref = block.state["mean"]
             out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
+            generator = torch.Generator()
             for row, k in enumerate(samples):
                 generator.manual_seed(_mix(seed, index, k))
                 torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
-            noises[block] = out.to(ref.device)
-        return noises
+            return out.to(ref.device)
+
+        indices = range(len(self.blocks))
+        threads = torch.get_num_threads()
+        if threads > 1 and len(self.blocks) > 1 and len(samples) * self._numel > 1 << 16:
+            global _NOISE_POOL
+            if _NOISE_POOL is None or _NOISE_POOL._max_workers != threads:
+                _NOISE_POOL = ThreadPoolExecutor(threads, thread_name_prefix="foovb-noise")
+            # largest blocks first, so the threads finish together
+            order = sorted(indices, key=lambda i: -self.blocks[i].state["mean"].numel())
+            drawn = dict(zip(order, _NOISE_POOL.map(draw, order), strict=True))
+        else:
+            drawn = {i: draw(i) for i in indices}
+        return {self.blocks[i]: drawn[i] for i in indices}
 
     def _next_seed(self) -> int:
         return int(torch.randint(2**62, (1,), generator=self.generator).item())
@@ -198,15 +222,18 @@ class FOOVB(torch.optim.Optimizer):
     @contextlib.contextmanager
     def sampled_weights(self, seed: int | None = None) -> Iterator[None]:
         """Load one network theta = mu + A eps into the model for the duration of the block (restored after)."""
-        noises = self.draw_noise(self._next_seed() if seed is None else seed, range(1))
+        if seed is None:  # not from self.generator: inspecting samples must not change the training noise
+            seed = int(torch.randint(2**62, (1,)).item())
+        noises = self.draw_noise(seed, range(1))
         try:
-            self._load_sample(noises, 0)
+            self.load_sample(noises, 0)
             yield
         finally:
             self.load_mean_into_model()
 
     @torch.no_grad()
-    def _load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
+    def load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
+        """Load the network of row `row` of `noises` (from `draw_noise`) into the model."""
         for block, noise in noises.items():
             for param, value in zip(block.params, block.sample(noise[row : row + 1]), strict=True):
                 param.copy_(value[0])
@@ -235,7 +262,7 @@ class FOOVB(torch.optim.Optimizer):
         try:
             for k in self.sample_shard:
                 noises = self.draw_noise(seed, range(k, k + 1))
-                self._load_sample(noises, 0)
+                self.load_sample(noises, 0)
                 for block in self.blocks:
                     for p in block.params:
                         p.grad = None

@@ -49,15 +49,21 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be positive, got {num_samples}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     model, rows = optimizer.model, inputs.shape[0]
     with _EvalMode(model):
         try:
             check_batched_support(optimizer.blocks)
-        except ValueError:
+        except ValueError:  # one network at a time, the same draws as the batched route
+            noises = optimizer.draw_noise(seed, range(num_samples))
             outputs = []
-            for k in range(num_samples):
-                with optimizer.sampled_weights(seed=seed + k):
+            try:
+                for k in range(num_samples):
+                    optimizer.load_sample(noises, k)
                     outputs.append(output_fn(model(inputs)))
+            finally:
+                optimizer.load_mean_into_model()
             return torch.stack(outputs)
         modules: dict[nn.Module, list] = {}
         for block in optimizer.blocks:

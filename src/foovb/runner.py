@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import metrics, plots
+from . import distributed, metrics, plots
 from .config import Config, config_to_dict
 from .learners import Learner, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
@@ -140,12 +140,16 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     Returns the summary (also in summary.json).
     """
     run_dir = Path(run_dir)
+    # [distributed] under torchrun: MC-parallel FOO-VB (docs/distributed.md); only rank 0 writes files.
+    distributed_run = distributed.setup_run(config.learner.kind)
+    main_process = not distributed_run or torch.distributed.get_rank() == 0
     checkpoint_path = run_dir / "checkpoint.pt"
     if resume and not checkpoint_path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
     if not resume and (run_dir / "summary.json").exists():
         raise FileExistsError(f"{run_dir} already holds a finished run; choose another directory or --resume")
-    (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+    if main_process:  # [distributed]
+        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)
     resolved = config_to_dict(config)
@@ -153,7 +157,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         if saved != resolved:
             raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'}")
-    _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    if main_process:  # [distributed]
+        _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
     scenario = build_scenario(config)
     torch.manual_seed(config.seed)
@@ -172,14 +177,17 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         learner.load_state_dict(state["learner"])
         start, records, train_seconds, stds = state["iteration"], state["records"], state["train_seconds"], state[
             "stds"]
+    if distributed_run:  # [distributed] every rank then holds rank 0's posterior and noise generator
+        distributed.distribute(learner.optimizer, "mc")
     eval_points = set(scenario.eval_points)
 
     def save_checkpoint(iteration: int) -> None:
-        _atomic_save({"learner": learner.state_dict(), "iteration": iteration, "records": records,
-                      "train_seconds": train_seconds, "stds": stds}, checkpoint_path)
+        if main_process:  # [distributed]
+            _atomic_save({"learner": learner.state_dict(), "iteration": iteration, "records": records,
+                          "train_seconds": train_seconds, "stds": stds}, checkpoint_path)
 
     bar = None
-    if progress:
+    if progress and main_process:  # [distributed]
         from tqdm import tqdm
 
         import sys
@@ -233,7 +241,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
                     f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         "modes": _summary(records, ends, scenario.num_tasks),
     }
-    write_outputs(run_dir, records, summary, stds, scenario, config)
+    if main_process:  # [distributed]
+        write_outputs(run_dir, records, summary, stds, scenario, config)
     return summary
 
 
@@ -287,4 +296,5 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     if not summary_path.is_file():
         raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished run)")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"dir": run_dir, "summary": json.loads(summary_path.read_text()), "records": records}
+    return {"dir": run_dir, "summary": json.loads(summary_path.read_text()), "records": records,
+            "config": yaml.safe_load((run_dir / "config.yaml").read_text())}

@@ -65,8 +65,10 @@ class _Layer:
                 for block, noise in zip(blocks, noises, strict=True):
                     for param, value in zip(block.params, block.sample(noise), strict=True):
                         values[param] = value.requires_grad_(track_grad)
-            self.weight = values[module.weight]
-            self.bias = values.get(module.bias) if module.bias is not None else None
+            # frozen parameters have no block: every sample shares them
+            self.weight, self.bias = (
+                None if p is None else values.get(p, p.detach().expand(c, *p.shape))
+                for p in (module.weight, module.bias))
             self.values = values
         self.track_grad = track_grad
 

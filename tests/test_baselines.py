@@ -1,0 +1,307 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from foovb.baselines import (
+    BASELINES,
+    MASLearner,
+    OnlineEWCLearner,
+    SGDLearner,
+    SILearner,
+    make_baseline,
+)
+from foovb.metrics import accuracy
+
+CENTERS = torch.tensor([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]])
+
+
+def blobs(num_inputs, generator, centers=CENTERS):
+    """Three well separated Gaussian blobs in 2-D: a linearly separable 3-class problem."""
+    labels = torch.randint(0, len(centers), (num_inputs,), generator=generator)
+    return centers[labels] + 0.5 * torch.randn(num_inputs, 2, generator=generator), labels
+
+
+def make_batches(num_batches, seed=0, batch_size=16, centers=CENTERS):
+    generator = torch.Generator().manual_seed(seed)
+    return [blobs(batch_size, generator, centers) for _ in range(num_batches)]
+
+
+def make_model(seed=0, num_outputs=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, num_outputs))
+
+
+def parameters_of(learner):
+    return [parameter.detach().clone() for parameter in learner.model.parameters()]
+
+
+def distance(first, second):
+    return sum((a - b).square().sum() for a, b in zip(first, second, strict=True)).sqrt().item()
+
+
+def train(learner, batches, task=0):
+    for x, y in batches:
+        learner.observe(x, y, task=task)
+
+
+def tasks_for(num_batches):
+    """Task ids of a two-task run (switching half-way), so that SI consolidates at least once."""
+    return [0 if index < num_batches // 2 else 1 for index in range(num_batches)]
+
+
+def run(learner, batches):
+    for (x, y), task in zip(batches, tasks_for(len(batches)), strict=True):
+        learner.observe(x, y, task=task)
+
+
+REGULARISED = {"ewc_online": "reg", "mas": "reg", "si": "c"}
+
+
+@pytest.mark.parametrize("name", sorted(REGULARISED))
+def test_zero_regularisation_reduces_exactly_to_sgd(name):
+    batches = make_batches(8)
+    sgd = SGDLearner(make_model(), lr=0.1)
+    run(sgd, batches)
+    unregularised = make_baseline(name, make_model(), lr=0.1, **{REGULARISED[name]: 0.0})
+    run(unregularised, batches)
+    for expected, actual in zip(parameters_of(sgd), parameters_of(unregularised), strict=True):
+        assert torch.equal(expected, actual)
+    # ... and the regulariser is not a no-op when switched on
+    regularised = make_baseline(name, make_model(), lr=0.1, **{REGULARISED[name]: 10.0})
+    run(regularised, batches)
+    assert distance(parameters_of(sgd), parameters_of(regularised)) > 1e-3
+
+
+def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty():
+    """theta_{t+1} = argmin g.(theta - theta_t) + |theta - theta_t|^2 / (2 lr) + penalty(theta) with
+    penalty = reg/2 sum F (theta - theta_t)^2, checked through its stationarity condition with the penalty
+    gradient from autograd."""
+    lr, reg = 0.1, 5.0
+    learner = OnlineEWCLearner(make_model(), lr=lr, reg=reg)
+    *warm_up, (x, y) = make_batches(6)
+    train(learner, warm_up)
+    fisher = {name: value.clone() for name, value in learner.importance.items()}
+    assert all(value.sum() > 0 for value in fisher.values())
+    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    data_gradients = torch.autograd.grad(
+        nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
+    )
+    learner.observe(x, y)
+    after = {name: p.detach().clone().requires_grad_() for name, p in learner.model.named_parameters()}
+    penalty = sum(reg / 2 * (fisher[name] * (after[name] - before[name]).square()).sum() for name in after)
+    penalty_gradients = torch.autograd.grad(penalty, list(after.values()))
+    for name, data_gradient, penalty_gradient in zip(after, data_gradients, penalty_gradients, strict=True):
+        stationarity = data_gradient + (after[name].detach() - before[name]) / lr + penalty_gradient
+        torch.testing.assert_close(stationarity, torch.zeros_like(stationarity), atol=1e-5, rtol=0)
+
+
+def test_ewc_fisher_is_the_decayed_sum_of_per_sample_fishers_of_model_sampled_labels():
+    gamma, batch_size = 0.5, 16
+    learner = OnlineEWCLearner(make_model(), lr=0.1, reg=1.0, gamma=gamma, seed=3)
+    label_generator = torch.Generator().manual_seed(3)
+    expected = {name: torch.zeros_like(p) for name, p in learner.model.named_parameters()}
+    for x, y in make_batches(2, batch_size=batch_size):
+        reference = copy.deepcopy(learner.model)
+        logits = reference(x)
+        probabilities = torch.softmax(logits.detach(), dim=1)
+        sampled = torch.multinomial(probabilities, 1, generator=label_generator).squeeze(1)
+        gradients = torch.autograd.grad(
+            -nn.functional.cross_entropy(logits, sampled), list(reference.parameters())
+        )
+        for (name, _), gradient in zip(reference.named_parameters(), gradients, strict=True):
+            expected[name] = gamma * expected[name] + batch_size * gradient.square()
+        learner.observe(x, y)
+        for name, value in expected.items():
+            torch.testing.assert_close(learner.importance[name], value)
+
+
+def test_mas_importance_is_abs_gradient_of_squared_output_norm():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    learner = MASLearner(model, lr=0.1, reg=1.0)
+    (x, y), *_ = make_batches(1)
+    gradients = torch.autograd.grad(reference(x).square().sum(dim=1).mean(), list(reference.parameters()))
+    learner.observe(x, y)
+    for (name, _), gradient in zip(reference.named_parameters(), gradients, strict=True):
+        torch.testing.assert_close(learner.importance[name], gradient.abs())
+
+
+def test_strong_ewc_moves_parameters_less_than_sgd_on_a_second_task():
+    first_task = make_batches(40, seed=1)
+    second_task = make_batches(40, seed=2, centers=CENTERS.flip(0))  # same inputs, permuted labels
+    movements = {}
+    for name, learner in {
+        "sgd": SGDLearner(make_model(), lr=0.1),
+        "ewc": OnlineEWCLearner(make_model(), lr=0.1, reg=1000.0),
+    }.items():
+        train(learner, first_task)
+        end_of_first_task = parameters_of(learner)
+        train(learner, second_task)
+        movements[name] = distance(end_of_first_task, parameters_of(learner))
+    assert movements["ewc"] < 0.5 * movements["sgd"]
+
+
+def linear_cross_entropy_gradient(weight, x, y):
+    """Closed form d/dW of mean cross-entropy of logits x W^T: (softmax - onehot)^T x / B."""
+    residual = torch.softmax(x @ weight.T, dim=1) - nn.functional.one_hot(y, weight.shape[0]).float()
+    return residual.T @ x / len(x)
+
+
+def test_si_importance_equals_hand_computed_path_integral():
+    lr, xi = 0.5, 0.1
+    torch.manual_seed(0)
+    model = nn.Linear(2, 3, bias=False)
+    learner = SILearner(model, lr=lr, c=1.0, xi=xi)
+    batches = make_batches(4)
+    weight = model.weight.detach().clone()
+    initial_weight = weight.clone()
+    path_integral = torch.zeros_like(weight)
+    for x, y in batches[:3]:
+        learner.observe(x, y, task=0)
+        gradient = linear_cross_entropy_gradient(weight, x, y)
+        update = -lr * gradient
+        path_integral -= gradient * update
+        weight = weight + update
+    torch.testing.assert_close(learner.path_integral["weight"], path_integral)
+    assert torch.all(learner.importance["weight"] == 0)
+    learner.observe(*batches[3], task=1)  # task switch: consolidation of task 0 before the step
+    expected_importance = path_integral / ((weight - initial_weight).square() + xi)
+    assert torch.all(learner.importance["weight"] >= 0)
+    assert learner.importance["weight"].sum() > 0
+    torch.testing.assert_close(learner.importance["weight"], expected_importance)
+    torch.testing.assert_close(learner.anchor["weight"], weight)
+
+
+def test_si_clips_negative_path_integrals_to_zero_importance():
+    learner = SILearner(make_model(), lr=0.1)
+    batches = make_batches(4)
+    train(learner, batches[:3], task=0)
+    learner.path_integral["0.weight"][0, 0] = -1.0  # e.g. momentum carried the weight against its gradient
+    learner.observe(*batches[3], task=1)
+    assert learner.importance["0.weight"][0, 0] == 0
+    assert torch.all(learner.importance["0.weight"] >= 0) and learner.importance["0.weight"].sum() > 0
+
+
+def test_si_step_uses_autograd_gradient_of_its_penalty():
+    lr = 0.2
+    learner = SILearner(make_model(), lr=lr, c=5.0)
+    batches = make_batches(8)
+    train(learner, batches[:6], task=0)
+    train(learner, batches[6:7], task=1)  # consolidated, anchor at the end of task 0, now moved away
+    assert learner.penalty().item() > 0
+    x, y = batches[7]
+    parameters = list(learner.model.parameters())
+    before = [p.detach().clone() for p in parameters]
+    data_gradients = torch.autograd.grad(nn.functional.cross_entropy(learner.model(x), y), parameters)
+    penalty_gradients = torch.autograd.grad(learner.penalty(), parameters)
+    path_integral_before = {name: value.clone() for name, value in learner.path_integral.items()}
+    learner.observe(x, y, task=1)
+    for (name, parameter), start, data_gradient, penalty_gradient in zip(
+        learner.model.named_parameters(), before, data_gradients, penalty_gradients, strict=True
+    ):
+        torch.testing.assert_close(parameter.detach(), start - lr * (data_gradient + penalty_gradient))
+        # the path integral uses the gradient of the unregularised loss (Zenke et al. 2017, eq. 3)
+        expected_path_integral = path_integral_before[name] - data_gradient * (parameter.detach() - start)
+        torch.testing.assert_close(learner.path_integral[name], expected_path_integral)
+
+
+def test_si_needs_task_ids():
+    learner = SILearner(make_model())
+    with pytest.raises(ValueError, match="task"):
+        learner.observe(*make_batches(1)[0])
+
+
+LEARNING_RATES = {"sgd": 0.1, "adam": 0.01, "adagrad": 0.1, "ewc_online": 0.1, "mas": 0.1, "si": 0.1}
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_state_dict_round_trip_continues_identically(name):
+    extra = {"optimizer": "adam"} if name in REGULARISED else {}  # exercise optimiser state too
+    batches = make_batches(10)
+    original = make_baseline(name, make_model(seed=0), lr=LEARNING_RATES[name] / 10, **extra)
+    run(original, batches[:4])
+    saved = copy.deepcopy(original.state_dict())
+    run(original, batches[4:])  # tasks 0, 0, 0, 1, 1, 1: SI consolidates after the resume point
+
+    resumed = make_baseline(name, make_model(seed=1), lr=LEARNING_RATES[name] / 10, **extra)
+    resumed.load_state_dict(saved)
+    run(resumed, batches[4:])
+    for expected, actual in zip(parameters_of(original), parameters_of(resumed), strict=True):
+        assert torch.equal(expected, actual)
+    resumed_method_state = resumed.state_dict()["method"]
+    for key, value in original.state_dict()["method"].items():
+        if isinstance(value, dict):
+            for tensor_name, tensor in value.items():
+                assert torch.equal(tensor, resumed_method_state[key][tensor_name])
+
+
+def test_loading_another_learners_state_raises():
+    state = SGDLearner(make_model()).state_dict()
+    with pytest.raises(ValueError, match="sgd"):
+        MASLearner(make_model()).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_each_learner_learns_a_separable_problem(name):
+    learner = make_baseline(name, make_model(), lr=LEARNING_RATES[name])
+    train(learner, make_batches(150, seed=5), task=0)
+    x, y = blobs(300, torch.Generator().manual_seed(6))
+    assert accuracy(learner.predict(x), y, "mean") > 0.9  # chance: 1/3
+
+
+def test_predict_returns_probabilities_without_gradient_and_restores_the_mode():
+    model = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    learner = SGDLearner(model)
+    x, _ = make_batches(1)[0]
+    model.train()
+    first, second = learner.predict(x), learner.predict(x)
+    assert model.training
+    assert torch.equal(first.mean, second.mean)  # eval mode: dropout off
+    assert not first.mean.requires_grad and first.samples is None
+    torch.testing.assert_close(first.mean.sum(dim=1), torch.ones(len(x)))
+    model.eval()
+    learner.predict(x)
+    assert not model.training
+
+
+def test_multi_head_slices_the_task_head():
+    model = make_model(num_outputs=6)
+    learner = SGDLearner(model, lr=0.1, num_heads=2, classes_per_head=3)
+    x, y = make_batches(1)[0]
+    with torch.no_grad():
+        expected = torch.softmax(model(x)[:, 3:6], dim=1)
+    torch.testing.assert_close(learner.predict(x, task=1).mean, expected)
+    head_weights = model[2].weight.detach().clone()
+    learner.observe(x, y, task=1)
+    assert torch.equal(model[2].weight[:3], head_weights[:3])  # head 0 untouched
+    assert not torch.equal(model[2].weight[3:], head_weights[3:])
+    with pytest.raises(ValueError, match="task"):
+        learner.predict(x)
+    with pytest.raises(ValueError, match="out of range"):
+        learner.observe(x, y, task=2)
+    with pytest.raises(ValueError, match="logits"):
+        SGDLearner(make_model(num_outputs=5), num_heads=2, classes_per_head=3).predict(x, task=0)
+
+
+def test_factory_rejects_unknown_names_and_invalid_hyperparameters():
+    with pytest.raises(ValueError, match="ewc_online"):  # the message lists the known names
+        make_baseline("ewc", make_model())
+    with pytest.raises(ValueError, match="momentum"):
+        make_baseline("sgd", make_model(), momentum=0.9)
+    invalid = [
+        ("sgd", {"lr": -1.0}, "lr"),
+        ("ewc_online", {"gamma": 0.0}, "gamma"),
+        ("ewc_online", {"reg": -1.0}, "reg"),
+        ("mas", {"optimizer": "rmsprop"}, "optimizer"),
+        ("si", {"xi": 0.0}, "xi"),
+        ("si", {"c": -0.1}, "c"),
+        ("adam", {"num_heads": 0}, "num_heads"),
+    ]
+    for name, hyperparameters, parameter in invalid:
+        with pytest.raises(ValueError, match=parameter):
+            make_baseline(name, make_model(), **hyperparameters)
+    learner = make_baseline("ewc_online", make_model(), lr=0.01, reg=0.1)
+    assert isinstance(learner, OnlineEWCLearner) and learner.name == "ewc_online"
+    assert (learner.reg, learner.optimizer.param_groups[0]["lr"]) == (0.1, 0.01)

@@ -1,0 +1,326 @@
+"""Multi-process FOO-VB (foovb.distributed): 2 processes over gloo on loopback equal one process.
+
+The worker processes are started with torch.multiprocessing (spawn); they write their results with torch.save
+into tmp_path and the parent compares them with a single-process run of the same seed and data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import make_generator, posterior_snapshot
+from torch import nn
+
+from foovb import FOOVB
+from foovb.config import config_from_dict
+from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
+from foovb.runner import load_run, run
+
+WORLD = 2
+STEPS = 3
+K = 3  # not divisible by WORLD: shares of 1 and 2 samples
+ROWS = 8
+PATHS = ("batched", "closure")
+# (family, path, inputs): with 11 and 20 inputs (n = 12, 21 with the bias) the first Kronecker layer's
+# low-rank statistic (rank 6 or 8 per process) is all-reduced dense (11 inputs: total rank >= 12, except the
+# batched MC case, whose left factor is shared) or as factors (20 inputs).
+MC_CASES = [(family, path, 4) for family in ("diagonal", "kronecker", "full") for path in PATHS] + [
+    ("kronecker", path, inputs) for inputs in (11, 20) for path in PATHS]
+DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path in PATHS] + [
+    ("kronecker", path, 20) for path in PATHS]
+
+
+def mlp(inputs: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(inputs, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def batch(step: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = make_generator(100 + step)
+    return torch.randn(ROWS, inputs, generator=g), torch.randint(3, (ROWS,), generator=g)
+
+
+# -- the training both the workers and the parent run --------------------------------------------------------
+def train(family: str, path: str, inputs: int, mode: str | None,
+          record_noise: bool = False) -> dict[str, Any]:
+    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first."""
+    model = mlp(inputs)
+    optimizer = FOOVB(model, family, K, seed=7)
+    if mode is not None:
+        distribute(optimizer, mode)
+    noises: dict[tuple[int, int], list[torch.Tensor]] = {}
+    if record_noise:
+        draw = optimizer.draw_noise
+
+        def recording_draw(seed: int, samples: range) -> dict:
+            out = draw(seed, samples)
+            for row, k in enumerate(samples):
+                noises[(optimizer.steps_taken, k)] = [out[block][row].clone() for block in optimizer.blocks]
+            return out
+
+        optimizer.draw_noise = recording_draw
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, inputs)
+        if mode == "data":
+            x, y = shard_batch(x, y)
+        if path == "batched":
+            losses.append(optimizer.step_batched(x, y))
+        else:
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                loss = F.cross_entropy(model(x), y, reduction="sum")
+                loss.backward()
+                return loss
+
+            losses.append(optimizer.step(closure))
+    views = [optimizer.posterior(p) for p in model.parameters()]
+    return {"means": [v.mean.clone() for v in views], "stds": [v.std.clone() for v in views],
+            "state": posterior_snapshot(optimizer), "losses": losses, "noises": noises,
+            "bytes": getattr(optimizer, "all_reduce_bytes", None)}
+
+
+def job_equivalence(rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for family, path, inputs in MC_CASES:
+        out[("mc", family, path, inputs)] = train(family, path, inputs, "mc",
+                                                  record_noise=family == "diagonal")
+    for family, path, inputs in DATA_CASES:
+        out[("data", family, path, inputs)] = train(family, path, inputs, "data")
+    try:  # K = 1 < 2 processes: every process raises the same ValueError after a consistent check
+        distribute(FOOVB(mlp(), "diagonal", 1, seed=7), "mc")
+    except ValueError as error:
+        out["too_few_samples"] = str(error)
+    return out
+
+
+def job_failure(rank: int, failure: str) -> None:
+    """At step 2 rank 1's closure raises or hangs, while rank 0 waits in the all-reduce."""
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7)
+    distribute(optimizer, "mc")
+    x, y = batch(0, 4)
+    for step in range(STEPS):
+        def closure(step: int = step) -> torch.Tensor:
+            if rank == 1 and step == 2:
+                if failure == "hangs":
+                    time.sleep(600)
+                raise RuntimeError("injected failure on rank 1")
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+
+JOBS = {"equivalence": job_equivalence,
+        "raises": lambda rank: job_failure(rank, "raises"),
+        "hangs": lambda rank: job_failure(rank, "hangs")}
+
+
+def worker(rank: int, world: int, port: int, job: str, out_dir: str, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.save(JOBS[job](rank), Path(out_dir) / f"rank{rank}.pt")
+    except Exception as error:
+        (Path(out_dir) / f"error{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+RUNNER_CONFIG = {
+    "name": "dist",
+    "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 256,
+                 "batch_size": 64},
+    "model": {"kind": "mlp", "hidden": [16]},
+    "learner": {"kind": "foovb", "params": {"posterior": "kronecker", "mc_samples": 3, "eval_samples": 2}},
+    "evaluation": {"test_subset": 200},
+    "checkpoint_every": 3,
+    "threads": 1,
+}
+
+
+def runner_worker(rank: int, world: int, port: int, run_dir: str, stop_after: int) -> None:
+    """`foovb.runner.run` as torchrun would start it: the environment variables, nothing initialised."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        run(config_from_dict(RUNNER_CONFIG), run_dir, progress=False, stop_after=stop_after)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- tests --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Both ranks' results of `job_equivalence` (one 2-process launch shared by the equivalence tests)."""
+    out = tmp_path_factory.mktemp("distributed")
+    mp.start_processes(worker, args=(WORLD, free_port(), "equivalence", str(out), 30.0), nprocs=WORLD,
+                       start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def assert_close_posteriors(got: dict, want: dict) -> None:
+    for name in ("means", "stds"):
+        for a, b in zip(got[name], want[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize(("family", "path", "inputs"), MC_CASES)
+def test_mc_parallel_equals_single_process(results: list[dict], family: str, path: str, inputs: int) -> None:
+    single = train(family, path, inputs, None)
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("mc", family, path, inputs)], single)
+
+
+@pytest.mark.parametrize(("family", "path", "inputs"), DATA_CASES)
+def test_data_parallel_equals_single_process_on_full_batch(results: list[dict], family: str, path: str,
+                                                          inputs: int) -> None:
+    single = train(family, path, inputs, None)
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("data", family, path, inputs)], single)
+
+
+def test_ranks_stay_identical(results: list[dict]) -> None:
+    for key, first in results[0].items():
+        if isinstance(key, tuple):
+            other = results[1][key]
+            assert all(torch.equal(a, b) for a, b in zip(first["state"], other["state"], strict=True)), key
+            assert first["losses"] == other["losses"], key
+
+
+def test_union_of_ranks_noise_equals_single_process_draws(results: list[dict]) -> None:
+    single = train("diagonal", "batched", 4, None, record_noise=True)["noises"]
+    shares = [results[r][("mc", "diagonal", "batched", 4)]["noises"] for r in range(WORLD)]
+    assert set(shares[0]).isdisjoint(shares[1])
+    union = {**shares[0], **shares[1]}
+    assert union.keys() == single.keys()
+    for key, value in single.items():
+        assert all(torch.equal(a, b) for a, b in zip(union[key], value, strict=True)), key
+    assert {k for _, k in shares[0]} == set(sample_range(K, 0, WORLD)) == {0}
+    assert {k for _, k in shares[1]} == set(sample_range(K, 1, WORLD)) == {1, 2}
+
+
+def test_all_reduced_bytes(results: list[dict]) -> None:
+    """What travels per step: float32 statistics and losses, and 16 bytes per low-rank statistic and process
+    (its rank and fingerprint)."""
+    params = sum(p.numel() for p in mlp().parameters())  # diagonal: grad_sum and grad_noise_sum per weight
+    assert results[0][("mc", "diagonal", "batched", 4)]["bytes"] == 4 * (2 * params + K)
+    # kronecker, 20 inputs, batched: layer 1 (p = 6, n = 21): psi_sum p x n, psi_a_phi p x p, and psi_b_phi =
+    # X^T R, whose left factor X (8 x n) is the batch: the same on both processes under MC-parallel training,
+    # so only R (8 x n) is summed; data-parallel: the shards' X differ, X and R travel stacked (8 x n each).
+    # Layer 2 (p = 3, n = 7): all dense.
+    layer2 = 3 * 7 + 7 * 7 + 3 * 3
+    mc = (6 * 21 + 8 * 21 + 6 * 6) + layer2 + K
+    data = (6 * 21 + 2 * 8 * 21 + 6 * 6) + layer2 + K
+    assert results[0][("mc", "kronecker", "batched", 20)]["bytes"] == 4 * mc + 16 * 2 * WORLD
+    assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD
+    # full: per Linear, grad_sum (d) and grad_noise as stacked factors of rank K (K x d each)
+    d1, d2 = 4 * 6 + 6, 6 * 3 + 3
+    floats = (d1 + 2 * K * d1) + (d2 + 2 * K * d2) + K
+    assert results[0][("mc", "full", "batched", 4)]["bytes"] == 4 * floats + 16 * 2 * WORLD
+
+
+def test_too_few_samples_for_mc_mode_raises_on_every_rank(results: list[dict]) -> None:
+    for rank in range(WORLD):
+        assert "at least one Monte Carlo sample" in results[rank]["too_few_samples"]
+
+
+@pytest.mark.parametrize("failure", ["raises", "hangs"])
+def test_failing_rank_stops_the_whole_job(tmp_path: Path, failure: str) -> None:
+    """No launcher stops the survivor here: rank 0 must fail by itself, at once when rank 1 raises (the peer's
+    connection closes) and after the collective timeout when rank 1 hangs."""
+    timeout_s = 5.0
+    tic = time.monotonic()
+    context = mp.start_processes(worker, args=(WORLD, free_port(), failure, str(tmp_path), timeout_s),
+                                 nprocs=WORLD, join=False, start_method="spawn")
+    survivor, failing = context.processes
+    try:
+        survivor.join(timeout=60)
+        elapsed = time.monotonic() - tic
+        if failure == "raises":
+            failing.join(timeout=10)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    assert survivor.exitcode not in (None, 0), "rank 0 hung or succeeded"
+    assert (tmp_path / "error0.txt").exists()  # rank 0's all-reduce raised
+    if failure == "raises":
+        assert failing.exitcode not in (None, 0)
+        assert "injected failure on rank 1" in (tmp_path / "error1.txt").read_text()
+    assert not list(tmp_path.glob("rank*.pt"))
+    assert elapsed < 45, elapsed
+
+
+def test_distribute_needs_an_initialised_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    optimizer = FOOVB(mlp(), "diagonal", K, seed=7)
+    with pytest.raises(RuntimeError, match="process group"):
+        distribute(optimizer)
+    with pytest.raises(RuntimeError, match="process group"):
+        shard_batch(torch.zeros(4, 2))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        init_from_env()
+    assert optimizer.process_group is None
+
+
+def test_invalid_modes_raise(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        with pytest.raises(ValueError, match="loss_reduction='sum'"):
+            distribute(FOOVB(mlp(), "diagonal", K, seed=7, loss_reduction="mean"), "data")
+        with pytest.raises(ValueError, match="mode must be one of"):
+            distribute(FOOVB(mlp(), "diagonal", K, seed=7), "pipeline")
+        with pytest.raises(ValueError, match="different numbers of rows"):
+            shard_batch(torch.zeros(4, 2), torch.zeros(3))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_runner_under_torchrun_resumes_single_process_with_the_same_metrics(tmp_path: Path) -> None:
+    """2 processes train 5 iterations (evaluating once) and checkpoint; 1 process resumes: the metrics equal
+    those of an uninterrupted single-process run."""
+    config = config_from_dict(RUNNER_CONFIG)
+    run(config, tmp_path / "single", progress=False)
+    mp.start_processes(runner_worker, args=(WORLD, free_port(), str(tmp_path / "multi"), 5), nprocs=WORLD,
+                       start_method="spawn")
+    assert torch.load(tmp_path / "multi" / "checkpoint.pt", weights_only=False)["iteration"] == 5
+    run(config, tmp_path / "multi", resume=True, progress=False)
+    want, got = (load_run(tmp_path / name)["records"] for name in ("single", "multi"))
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == [4, 8]
+    for mine, theirs in zip(got, want, strict=True):
+        for metric, tolerance in (("accuracy", 0.006), ("nll", 1e-4)):  # 0.006: one test example of 200
+            for mode, values in theirs[metric].items():
+                assert mine[metric][mode] == pytest.approx(values, abs=tolerance), (metric, mode)
+
+
+def test_runner_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert setup_run("sgd") is False  # not launched by torchrun: single process, nothing initialised
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="single-process only"):
+        setup_run("sgd")
+    assert not dist.is_initialized()

@@ -1,0 +1,186 @@
+"""foovb.predict (posterior-mean and sampled-network probabilities) and FOOVB.sampled_weights."""
+
+import pytest
+import torch
+from conftest import FAMILIES, all_equal, mlp, mlp_batch, params_snapshot, posterior_snapshot
+from torch import nn
+from torch.func import functional_call
+
+import foovb.predict as predict_module
+from foovb import FOOVB
+from foovb.predict import predict, sample_probabilities
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+K = 6
+
+
+def trained(family, model=None, std_init=0.1, seed=0):
+    model = mlp(seed=0) if model is None else model
+    opt = FOOVB(model, family, 3, std_init=std_init, seed=seed)
+    x, y = mlp_batch()
+    opt.step(lambda: _loss_backward(model, x, y))
+    return model, opt
+
+
+def _loss_backward(model, x, y):
+    loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
+    loss.backward()
+    return loss
+
+
+def sampled_parameters(opt, noises, k):
+    """{name: value} of sample k, from the blocks' TRANSFORM applied to the given noise."""
+    names = {id(p): n for n, p in opt.model.named_parameters()}
+    values = {}
+    for block, noise in noises.items():
+        for param, value in zip(block.params, block.sample(noise[k : k + 1]), strict=True):
+            values[names[id(param)]] = value[0]
+    return values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_predict_mean_and_batched_samples(family):
+    model, opt = trained(family)
+    x, _ = mlp_batch(seed=5, rows=7)
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    pred = predict(opt, x, K, seed=3)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pred.mean, torch.softmax(model(x), -1))
+    assert pred.samples.shape == (K, 7, 3)
+    assert bool((pred.samples >= 0).all())
+    torch.testing.assert_close(pred.samples.sum(-1), torch.ones(K, 7))
+    # Sample k is the network theta = mu + A eps_k with eps_k = draw_noise(seed, k), evaluated layer by layer
+    # (for kronecker Linear layers without ever forming W_k).
+    noises = opt.draw_noise(3, range(K))
+    for k in range(K):
+        with torch.no_grad():
+            logits = functional_call(model, sampled_parameters(opt, noises, k), (x,))
+        torch.testing.assert_close(pred.samples[k], torch.softmax(logits, -1), atol=1e-5, rtol=1e-4)
+    # Chunking does not change the draws; prediction leaves posterior and model untouched.
+    torch.testing.assert_close(sample_probabilities(opt, x, K, seed=3, chunk_size=4), pred.samples)
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
+    assert predict(opt, x).samples is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_probabilities_seeding_and_spread(family):
+    _, opt = trained(family)
+    x, _ = mlp_batch(seed=5)
+    first = sample_probabilities(opt, x, K, seed=1)
+    assert torch.equal(first, sample_probabilities(opt, x, K, seed=1))
+    assert not torch.allclose(first, sample_probabilities(opt, x, K, seed=2))
+    mean = predict(opt, x).mean
+    assert (first - mean).abs().max() > 1e-3  # std > 0: the sampled networks differ from the mean one
+    assert (first[0] - first[1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_negligible_std_samples_equal_mean(family):
+    model, opt = trained(family, std_init=1e-8)
+    if family == "kronecker":  # its initial factors come from alpha: shrink them directly
+        for block in opt.blocks:
+            for key in ("input_sqrt_cov", "output_sqrt_cov"):
+                block.state[key] = block.state[key] * 1e-5
+    assert max(opt.posterior(p).std.max().item() for p in model.parameters()) < 1e-7
+    x, _ = mlp_batch(seed=5)
+    pred = predict(opt, x, K)
+    torch.testing.assert_close(pred.samples, pred.mean.expand(K, -1, -1), atol=1e-6, rtol=0)
+
+
+def test_predict_uses_eval_mode_and_restores_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Dropout(0.5), nn.Linear(6, 3))
+    _, opt = trained("diagonal", model=model)
+    x, _ = mlp_batch(seed=5)
+    model.train()
+    first, second = predict(opt, x, K), predict(opt, x, K)
+    assert model.training and all(m.training for m in model.modules())
+    assert torch.equal(first.mean, second.mean) and torch.equal(first.samples, second.samples)  # no dropout
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(first.mean, torch.softmax(model(x), -1))
+    predict(opt, x, K)
+    assert not model.training
+    model.train()
+
+    def failing(_):
+        raise RuntimeError("output_fn failed")
+
+    with pytest.raises(RuntimeError, match="output_fn failed"):
+        predict(opt, x, K, output_fn=failing)
+    assert model.training
+
+
+def test_custom_output_fn_and_invalid_sample_count():
+    model, opt = trained("kronecker")
+    x, _ = mlp_batch(seed=5)
+    pred = predict(opt, x, K, output_fn=lambda logits: logits.log_softmax(-1))
+    torch.testing.assert_close(pred.samples.exp().sum(-1), torch.ones(K, x.shape[0]))
+    with pytest.raises(ValueError, match="num_samples"):
+        sample_probabilities(opt, x, 0)
+
+
+def _layernorm_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unsupported_module_falls_back_to_sequential_samples(family):
+    model, opt = trained(family, model=_layernorm_model())
+    x, _ = mlp_batch(seed=5)
+    params = params_snapshot(model)
+    samples = sample_probabilities(opt, x, K, seed=10)
+    assert samples.shape == (K, x.shape[0], 3)
+    torch.testing.assert_close(samples.sum(-1), torch.ones(K, x.shape[0]))
+    assert all_equal(params_snapshot(model), params)  # the mean is restored after the samples
+    model.eval()
+    noises = opt.draw_noise(10, range(K))
+    for k in range(K):  # sample k is the network of row k of draw_noise(seed, range(K)), as in the batched route
+        opt.load_sample(noises, k)
+        with torch.no_grad():
+            torch.testing.assert_close(samples[k], torch.softmax(model(x), -1))
+    opt.load_mean_into_model()
+    assert torch.equal(samples, sample_probabilities(opt, x, K, seed=10))
+    assert (samples[0] - samples[1]).abs().max() > 1e-3
+
+
+def test_batched_and_fallback_prediction_paths_draw_the_same_networks(monkeypatch):
+    _, opt = trained("diagonal")
+    x, _ = mlp_batch(seed=5)
+    batched = sample_probabilities(opt, x, K, seed=10)
+
+    def unsupported(blocks):
+        raise ValueError("forced fallback")
+
+    monkeypatch.setattr(predict_module, "check_batched_support", unsupported)
+    fallback = sample_probabilities(opt, x, K, seed=10)
+    torch.testing.assert_close(fallback, batched, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FOOVB.sampled_weights
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_weights_loads_a_sample_and_restores_the_mean(family):
+    model, opt = trained(family)
+    mean = params_snapshot(model)
+    with opt.sampled_weights(seed=4):
+        inside = params_snapshot(model)
+    assert all(not torch.equal(a, b) for a, b in zip(inside, mean, strict=True))
+    assert all_equal(params_snapshot(model), mean)
+    expected = sampled_parameters(opt, opt.draw_noise(4, range(1)), 0)
+    for (name, _), value in zip(model.named_parameters(), inside, strict=True):
+        torch.testing.assert_close(value, expected[name])
+    with opt.sampled_weights(seed=4):
+        assert all_equal(params_snapshot(model), inside)  # seeded
+    with opt.sampled_weights():
+        unseeded = params_snapshot(model)
+    assert not all_equal(unseeded, inside)
+    with pytest.raises(KeyError, match="boom"):
+        with opt.sampled_weights(seed=5):
+            assert not all_equal(params_snapshot(model), mean)
+            raise KeyError("boom")
+    assert all_equal(params_snapshot(model), mean)

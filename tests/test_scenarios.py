@@ -1,0 +1,321 @@
+"""Tests of the continual-learning streams: permutations, normalisation, the continuous task schedule,
+per-batch task sampling, epoch structure, resumability, the vision mix and the joint oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from foovb.data import ImageDataset, load_mnist
+from foovb.scenarios import (
+    Batch,
+    ContinuousPermutedMNIST,
+    DiscretePermutedMNIST,
+    JointStream,
+    PermutedMNIST,
+    VisionMix,
+)
+
+MEAN, STD = 0.1307, 0.3081  # the normalisation the paper's code uses for MNIST
+
+
+@pytest.fixture(scope="module")
+def permuted_mnist() -> PermutedMNIST:
+    return PermutedMNIST(num_tasks=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def padded_permuted_mnist() -> PermutedMNIST:
+    return PermutedMNIST(num_tasks=3, seed=0, pad_to_32=True)
+
+
+def expected_probabilities(iteration: int, num_tasks: int, iterations_per_task: int) -> list[float]:
+    """The continuous schedule written out task by task, straight from its definition."""
+    u = iteration / iterations_per_task
+    weights = []
+    for task in range(num_tasks):
+        ramp_in = 0.5 + 2 * (u - task) if task > 0 else math.inf
+        ramp_out = 0.5 + 2 * (task + 1 - u) if task < num_tasks - 1 else math.inf
+        weights.append(min(1.0, max(0.0, min(ramp_in, ramp_out))))
+    return weights
+
+
+def record_indices(monkeypatch: pytest.MonkeyPatch, stream) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Make ``stream`` log the (tasks, indices) of every batch it builds."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    build = stream.train_batch
+
+    def recording(tasks: torch.Tensor, indices: torch.Tensor) -> Batch:
+        calls.append((tasks.clone(), indices.clone()))
+        return build(tasks, indices)
+
+    monkeypatch.setattr(stream, "train_batch", recording)
+    return calls
+
+
+def assert_same_batches(actual: list[tuple[int, Batch]], expected: list[tuple[int, Batch]]) -> None:
+    assert [iteration for iteration, _ in actual] == [iteration for iteration, _ in expected]
+    for (_, got), (_, want) in zip(actual, expected, strict=True):
+        assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y) and torch.equal(got.task, want.task)
+
+
+# --- the permuted-MNIST benchmark ------------------------------------------------------------------------
+
+
+def test_permutations_identity_first_deterministic_and_seed_dependent(permuted_mnist):
+    permutations = permuted_mnist.permutations
+    assert permutations.shape == (3, 784)
+    assert torch.equal(permutations[0], torch.arange(784))
+    for task in range(3):
+        assert torch.equal(permutations[task].sort().values, torch.arange(784))
+    assert not torch.equal(permutations[1], permutations[2])
+    assert torch.equal(PermutedMNIST(num_tasks=3, seed=0).permutations, permutations)
+    other_seed = PermutedMNIST(num_tasks=3, seed=1).permutations
+    assert torch.equal(other_seed[0], permutations[0])
+    assert not torch.equal(other_seed[1], permutations[1])
+
+
+def test_inputs_are_permuted_then_normalised(permuted_mnist):
+    mnist = load_mnist()
+    indices = torch.tensor([0, 59999, 123])
+    plain = (mnist.train_images[indices].reshape(3, 784).float() / 255 - MEAN) / STD
+    for task in range(3):
+        batch = permuted_mnist.train_batch(torch.full((3,), task), indices)
+        assert batch.x.shape == (3, 784) and batch.x.dtype == torch.float32
+        torch.testing.assert_close(batch.x, plain[:, permuted_mnist.permutations[task]])
+        assert torch.equal(batch.y, mnist.train_labels[indices])
+    test_x, test_y = permuted_mnist.test_set(2)
+    expected = (mnist.test_images.reshape(10000, 784).float() / 255 - MEAN) / STD
+    torch.testing.assert_close(test_x, expected[:, permuted_mnist.permutations[2]])
+    assert torch.equal(test_y, mnist.test_labels)
+
+
+def test_padding_comes_before_permuting(padded_permuted_mnist):
+    mnist = load_mnist()
+    assert padded_permuted_mnist.input_shape == (1024,)
+    indices = torch.tensor([7, 8])
+    identity = padded_permuted_mnist.train_batch(torch.zeros(2, dtype=torch.int64), indices).x.reshape(
+        2, 32, 32
+    )
+    torch.testing.assert_close(
+        identity[:, 2:30, 2:30], (mnist.train_images[indices].float() / 255 - MEAN) / STD
+    )
+    border = torch.ones(32, 32, dtype=torch.bool)
+    border[2:30, 2:30] = False
+    assert torch.allclose(identity[:, border], torch.tensor(-MEAN / STD))
+    permuted = padded_permuted_mnist.train_batch(torch.ones(2, dtype=torch.int64), indices).x
+    torch.testing.assert_close(permuted, identity.reshape(2, 1024)[:, padded_permuted_mnist.permutations[1]])
+
+
+def test_mixed_task_batch_permutes_each_sample_for_its_own_task(permuted_mnist):
+    indices = torch.tensor([5, 6, 7, 8])
+    tasks = torch.tensor([2, 0, 2, 1])
+    mixed = permuted_mnist.train_batch(tasks, indices)
+    for row in range(4):
+        alone = permuted_mnist.train_batch(tasks[row : row + 1], indices[row : row + 1])
+        assert torch.equal(mixed.x[row], alone.x[0]) and mixed.y[row] == alone.y[0]
+    assert torch.equal(mixed.task, tasks)
+
+
+# --- discrete stream ----------------------------------------------------------------------------------------
+
+
+def test_discrete_stream_epochs_and_hidden_boundaries(permuted_mnist, monkeypatch):
+    stream = DiscretePermutedMNIST(
+        permuted_mnist, epochs_per_task=2, batch_size=128, seed=3, train_subset=1000
+    )
+    assert stream.batches_per_epoch == (8, 8, 8)  # ceil(1000 / 128), last batch kept
+    assert stream.eval_points == (16, 32, 48) and stream.num_iterations == 48
+    calls = record_indices(monkeypatch, stream)
+    batches = list(stream.batches())
+    assert [iteration for iteration, _ in batches] == list(range(48))
+    assert [len(batch.y) for _, batch in batches[:8]] == [128] * 7 + [1000 - 7 * 128]
+    epochs = [torch.cat([indices for _, indices in calls[start : start + 8]]) for start in range(0, 48, 8)]
+    for epoch, order in enumerate(epochs):
+        assert torch.equal(order.sort().values, torch.arange(1000))  # every image once per epoch
+        assert (calls[epoch * 8][0] == epoch // 2).all()  # tasks in sequence, 2 epochs each
+    assert not torch.equal(epochs[0], epochs[1])  # reshuffled every epoch
+    assert not torch.equal(epochs[1], epochs[2])
+
+
+def test_full_discrete_defaults_match_the_paper(permuted_mnist):
+    stream = DiscretePermutedMNIST(permuted_mnist)
+    assert stream.batches_per_epoch[0] == 469 and stream.num_iterations == 3 * 20 * 469
+
+
+# --- continuous stream --------------------------------------------------------------------------------------
+
+
+def test_continuous_schedule_matches_closed_form(permuted_mnist):
+    stream = ContinuousPermutedMNIST(PermutedMNIST(num_tasks=4, seed=0), iterations_per_task=20)
+    iterations = torch.arange(stream.num_iterations)
+    probabilities = stream.task_probabilities(iterations)
+    assert probabilities.shape == (80, 4)
+    torch.testing.assert_close(probabilities.sum(1), torch.ones(80, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert ((probabilities > 0).sum(1) <= 2).all()
+    for iteration in range(80):
+        expected = torch.tensor(expected_probabilities(iteration, 4, 20), dtype=torch.float64)
+        torch.testing.assert_close(stream.task_probabilities(iteration), expected)
+        torch.testing.assert_close(probabilities[iteration], expected)
+
+
+def test_continuous_schedule_hand_computed_points():
+    stream = ContinuousPermutedMNIST(PermutedMNIST(num_tasks=4, seed=0), iterations_per_task=100)
+
+    def weight(iteration: int, task: int) -> float:
+        return stream.task_probabilities(iteration)[task].item()
+
+    assert weight(0, 0) == 1.0  # task 0 never ramps in
+    assert weight(399, 3) == 1.0  # the last task never ramps out
+    for task in range(4):
+        assert weight(task * 100 + 50, task) == 1.0  # u = t + 1/2
+    for task in range(1, 4):
+        # ramp in over [t - 1/4, t + 1/4] (length D/2), crossing the previous task's ramp out at u = t
+        assert weight(task * 100 - 25, task) == 0.0 and weight(task * 100 + 25, task) == 1.0
+        assert weight(task * 100, task) == pytest.approx(0.5) and weight(
+            task * 100, task - 1
+        ) == pytest.approx(0.5)
+        assert weight(task * 100 - 10, task) == pytest.approx(0.3)  # 1/2 + 2 (u - t) at u = t - 0.1
+        assert weight(task * 100 - 10, task - 1) == pytest.approx(0.7)
+
+
+def test_continuous_batches_follow_the_schedule(permuted_mnist, monkeypatch):
+    stream = ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=40, batch_size=128, seed=5)
+    calls = record_indices(monkeypatch, stream)
+    batches = list(stream.batches())
+    probabilities = stream.task_probabilities(torch.arange(stream.num_iterations))
+    counts = torch.stack([torch.bincount(tasks, minlength=3) for tasks, _ in calls]).double()
+    assert (counts.sum(1) == 128).all()
+    assert not ((counts > 0) & (probabilities == 0)).any()  # never a task outside its support
+    # each count is Binomial(128, p): the total deviation over the run is within a few standard errors
+    deviation = (counts - 128 * probabilities).sum(0)
+    standard_error = (128 * probabilities * (1 - probabilities)).sum(0).sqrt()
+    assert (deviation.abs() <= 4 * standard_error).all(), (deviation, standard_error)
+    ramp = (probabilities > 0).sum(1) == 2  # mixing really happens during the ramps
+    assert ((counts[ramp] > 0).sum(1) == 2).float().mean() > 0.9
+    for (tasks, indices), (_, batch) in zip(calls, batches, strict=True):
+        assert len(indices.unique()) == 128  # no image twice within a batch
+        assert torch.equal(batch.task, tasks)
+    all_indices = torch.cat([indices for _, indices in calls])
+    assert len(all_indices.unique()) < len(all_indices)  # but images recur across batches
+
+
+def test_continuous_eval_points():
+    permuted_mnist = PermutedMNIST(num_tasks=3, seed=0)
+    assert ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=10).eval_points == (10, 20, 30)
+    every_7 = ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=10, eval_every=7)
+    assert every_7.eval_points == (7, 14, 21, 28, 30)
+
+
+# --- resuming -----------------------------------------------------------------------------------------------
+
+
+def small_vision_datasets() -> list[ImageDataset]:
+    generator = torch.Generator().manual_seed(0)
+
+    def dataset(name: str, shape: tuple[int, int, int], train: int, test: int) -> ImageDataset:
+        return ImageDataset(
+            name,
+            torch.randint(0, 256, (train, *shape), dtype=torch.uint8, generator=generator),
+            torch.randint(0, 10, (train,), generator=generator),
+            torch.randint(0, 256, (test, *shape), dtype=torch.uint8, generator=generator),
+            torch.randint(0, 10, (test,), generator=generator),
+        )
+
+    return [dataset("gray", (1, 28, 28), 50, 6), dataset("color", (3, 32, 32), 30, 4)]
+
+
+@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint"])
+def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
+    def make(seed: int):
+        if kind == "discrete":
+            return DiscretePermutedMNIST(
+                permuted_mnist, epochs_per_task=2, batch_size=64, seed=seed, train_subset=300
+            )
+        if kind == "continuous":
+            return ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=8, batch_size=32, seed=seed)
+        if kind == "vision":
+            return VisionMix(small_vision_datasets(), epochs_per_task=2, batch_size=16, seed=seed)
+        scenario = DiscretePermutedMNIST(permuted_mnist, epochs_per_task=2, batch_size=64, train_subset=100)
+        return JointStream(scenario, seed=seed)
+
+    stream = make(seed=1)
+    torch.manual_seed(0)
+    full = list(stream.batches())
+    assert len(full) == stream.num_iterations
+    torch.manual_seed(123)  # the global RNG state must not matter
+    assert_same_batches(list(make(seed=1).batches()), full)
+    for start in (1, stream.num_iterations // 2 + 1, stream.num_iterations - 1, stream.num_iterations):
+        assert_same_batches(list(stream.batches(start)), full[start:])
+    different = list(make(seed=2).batches())
+    assert any(not torch.equal(a.y, b.y) for (_, a), (_, b) in zip(full, different, strict=True))
+    with pytest.raises(ValueError, match="start_iteration"):
+        next(stream.batches(stream.num_iterations + 1))
+
+
+# --- vision mix ---------------------------------------------------------------------------------------------
+
+
+def test_vision_mix_converts_and_normalises_per_dataset():
+    gray, color = small_vision_datasets()
+    mix = VisionMix([gray, color], epochs_per_task=1, batch_size=16)
+    assert mix.num_tasks == 2 and mix.task_aware and mix.num_classes == 10
+    assert mix.input_shape == (3, 32, 32)
+    assert mix.eval_points == (4, 6)  # ceil(50 / 16), then ceil(30 / 16) more
+    for task, dataset in enumerate((gray, color)):
+        count = len(dataset.train_labels)
+        batch = mix.train_batch(torch.full((count,), task), torch.arange(count))
+        assert batch.x.shape == (count, 3, 32, 32)
+        torch.testing.assert_close(batch.x.mean(dim=(0, 2, 3)), torch.zeros(3), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            batch.x.std(dim=(0, 2, 3), unbiased=False), torch.ones(3), rtol=0, atol=1e-5
+        )
+        assert torch.equal(batch.y, dataset.train_labels)
+    gray_test, gray_labels = mix.test_set(0)
+    assert torch.equal(gray_labels, gray.test_labels)
+    assert torch.equal(gray_test[:, 0], gray_test[:, 1]) and torch.equal(gray_test[:, 0], gray_test[:, 2])
+    # standardised with the training statistics over the padded images
+    padded_train = torch.zeros(50, 32, 32, dtype=torch.float64)
+    padded_train[:, 2:30, 2:30] = gray.train_images[:, 0].double()
+    mean, std = padded_train.mean(), padded_train.std(unbiased=False)
+    torch.testing.assert_close(gray_test[:, 0, 2:30, 2:30], ((gray.test_images[:, 0] - mean) / std).float())
+    torch.testing.assert_close(gray_test[:, 0, 0, 0], torch.full((6,), float(-mean / std)))
+    color_test, _ = mix.test_set(1)
+    color_train = color.train_images.double()
+    red_mean, red_std = color_train[:, 0].mean(), color_train[:, 0].std(unbiased=False)
+    torch.testing.assert_close(color_test[:, 0], ((color.test_images[:, 0] - red_mean) / red_std).float())
+
+
+def test_vision_mix_tasks_are_dataset_indices():
+    mix = VisionMix(small_vision_datasets(), epochs_per_task=1, batch_size=16)
+    tasks = [batch.task.unique().tolist() for _, batch in mix.batches()]
+    assert tasks == [[0]] * 4 + [[1]] * 2
+
+
+def test_vision_mix_by_name_reports_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train_32x32.mat"):
+        VisionMix(("svhn",), data_dir=tmp_path)
+
+
+# --- joint oracle -------------------------------------------------------------------------------------------
+
+
+def test_joint_stream_mixes_all_tasks_once_per_epoch(permuted_mnist, monkeypatch):
+    scenario = DiscretePermutedMNIST(permuted_mnist, epochs_per_task=2, batch_size=50, train_subset=200)
+    joint = JointStream(scenario, seed=4)
+    assert joint.num_iterations == scenario.num_iterations == 24
+    assert joint.eval_points == scenario.eval_points and joint.batches_per_epoch == 12
+    calls = record_indices(monkeypatch, joint)
+    batches = list(joint.batches())
+    assert len(batches) == 24
+    first_epoch = {
+        (task, index)
+        for tasks, indices in calls[:12]
+        for task, index in zip(tasks.tolist(), indices.tolist(), strict=True)
+    }
+    assert first_epoch == {(task, index) for task in range(3) for index in range(200)}
+    assert len(batches[0][1].task.unique()) == 3
+    for (tasks, indices), (_, batch) in zip(calls, batches, strict=True):
+        assert torch.equal(batch.x, permuted_mnist.train_batch(tasks, indices).x)
