@@ -58,6 +58,25 @@ def _copy_tensors_into(target: dict[str, Tensor], source: dict[str, Tensor], wha
         tensor.copy_(source[name])
 
 
+def head_logits(logits: Tensor, task: int | None, num_heads: int, classes_per_head: int | None) -> Tensor:
+    """The logits of ``task``'s head of a multi-head model (all logits for a single head).
+
+    ``classes_per_head=None`` infers ``logits.shape[1] // num_heads``.
+    """
+    if num_heads == 1:
+        return logits
+    if task is None:
+        raise ValueError(f"a multi-head model (num_heads={num_heads}) needs the task id")
+    if not 0 <= task < num_heads:
+        raise ValueError(f"task {task} out of range for num_heads={num_heads}")
+    width = classes_per_head or logits.shape[1] // num_heads
+    if width * num_heads != logits.shape[1]:
+        raise ValueError(
+            f"model returns {logits.shape[1]} logits, expected num_heads * classes_per_head = {num_heads} * {width}"
+        )
+    return logits[:, task * width : (task + 1) * width]
+
+
 class BaselineLearner:
     """Shared machinery: head slicing, cross-entropy loss, optimiser step, prediction and state.
 
@@ -96,19 +115,7 @@ class BaselineLearner:
 
     def _head_logits(self, logits: Tensor, task: int | None) -> Tensor:
         """The logits of ``task``'s head (all logits for a single-head model)."""
-        if self.num_heads == 1:
-            return logits
-        if task is None:
-            raise ValueError(f"a multi-head model (num_heads={self.num_heads}) needs the task id")
-        if not 0 <= task < self.num_heads:
-            raise ValueError(f"task {task} out of range for num_heads={self.num_heads}")
-        width = self.classes_per_head or logits.shape[1] // self.num_heads
-        if width * self.num_heads != logits.shape[1]:
-            raise ValueError(
-                f"model returns {logits.shape[1]} logits, expected num_heads * classes_per_head = "
-                f"{self.num_heads} * {width}"
-            )
-        return logits[:, task * width : (task + 1) * width]
+        return head_logits(logits, task, self.num_heads, self.classes_per_head)
 
     def _training_loss(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
         """Train-mode forward pass: ``(head logits, mean cross-entropy over the batch)``."""

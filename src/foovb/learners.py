@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .baselines import BASELINES, make_baseline
+from .baselines import BASELINES, head_logits, make_baseline
 from .metrics import Predictions
 from .optimizer import FOOVB
 from .predict import predict
@@ -29,15 +29,6 @@ class Learner(Protocol):
     def predict(self, x: Tensor, task: int | None = None) -> Predictions: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def head_slice(num_heads: int, classes_per_head: int, task: int | None) -> slice:
-    """Columns of `task`'s head in the logits of a multi-head model (all columns for a single head)."""
-    if num_heads == 1:
-        return slice(None)
-    if task is None or not 0 <= task < num_heads:
-        raise ValueError(f"a model with {num_heads} heads needs a task id in [0, {num_heads}), got {task!r}")
-    return slice(task * classes_per_head, (task + 1) * classes_per_head)
 
 
 class FOOVBLearner:
@@ -73,15 +64,17 @@ class FOOVBLearner:
 
     def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
         """One FOO-VB step; returns the mean (per example) cross-entropy averaged over the MC samples."""
-        head = head_slice(self.num_heads, self.classes_per_head, task)
+        def head(logits: Tensor) -> Tensor:
+            return head_logits(logits, task, self.num_heads, self.classes_per_head)
+
         self.model.train()
         if self.batched:
             loss = self.optimizer.step_batched(
-                x, y, lambda out, target: F.cross_entropy(out[:, head], target, reduction="sum"),
+                x, y, lambda out, target: F.cross_entropy(head(out), target, reduction="sum"),
                 chunk_size=self.chunk_size)
         else:
             def closure() -> Tensor:
-                loss = F.cross_entropy(self.model(x)[:, head], y, reduction="sum")
+                loss = F.cross_entropy(head(self.model(x)), y, reduction="sum")
                 loss.backward()
                 return loss
 
@@ -89,9 +82,9 @@ class FOOVBLearner:
         return loss / len(y)
 
     def predict(self, x: Tensor, task: int | None = None) -> Predictions:
-        head = head_slice(self.num_heads, self.classes_per_head, task)
         return predict(self.optimizer, x, self.eval_samples, chunk_size=self.chunk_size,
-                       output_fn=lambda logits: torch.softmax(logits[:, head], -1))
+                       output_fn=lambda logits: torch.softmax(
+                           head_logits(logits, task, self.num_heads, self.classes_per_head), -1))
 
     def posterior_std(self) -> np.ndarray:
         """Marginal posterior STD of every weight (the paper's STD histograms)."""

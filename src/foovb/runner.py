@@ -188,9 +188,9 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
 
     bar = None
     if progress and main_process:  # [distributed]
-        from tqdm import tqdm
-
         import sys
+
+        from tqdm import tqdm
 
         bar = tqdm(total=scenario.num_iterations, initial=start, desc=config.name, unit="it", dynamic_ncols=True,
                    mininterval=0.5 if sys.stderr.isatty() else 60.0)
