@@ -4,7 +4,7 @@ Trains `--steps` batched steps (batch 128, K = 10 Monte Carlo samples) in 1 proc
 2 processes (MC-parallel, and data-parallel for comparison), each process with torch.set_num_threads(1) so
 that 2 processes use 2 cores against 1. Prints, per posterior family and mode, the seconds per step, the
 throughput in examples x MC draws per second, the speed-up over 1 process, the CPU time per step summed over
-the processes (the work, whatever else runs on the machine) and the bytes all-reduced per step.
+the processes and the bytes all-reduced per step. Timings depend on what else runs on the machine.
 
     python benchmarks/distributed_throughput.py --steps 20
 """

@@ -3,7 +3,7 @@
 One FOO-VB step needs, from every Monte Carlo sample k, the gradient g_k of the summed mini-batch loss L_n at
 theta_k = mu + A eps_k, and only through *sums over k* of a few products of g_k and eps_k (each posterior
 block's statistics, see `PosteriorBlock.accumulate`). Sums can be split over processes and added back with a
-single all-reduce, in two ways:
+all-reduce, in two ways:
 
 * ``mode="mc"`` (MC-parallel): every process sees the same batch and evaluates a contiguous share of the K
   sample indices (`FOOVB.sample_shard`); the statistics of the shares are summed.
@@ -12,8 +12,9 @@ single all-reduce, in two ways:
   the sum of the shards' statistics (this needs ``loss_reduction="sum"``).
 
 In both modes `all_reduce_statistics` (called by `FOOVB._apply_update` whenever `FOOVB.process_group` is set)
-sums the statistics and the per-sample losses with one all-reduce per dtype (one in practice), so every
-process applies the identical update, raises identically on NaN/Inf and returns the same mean loss.
+sums the statistics and the per-sample losses with one all-reduce per dtype (one in practice; low-rank
+statistics add a tiny one that chooses how they travel), so every process applies the identical update,
+raises identically on NaN/Inf and returns the same mean loss.
 
 Reproducibility: the noise of sample k of block b at a step is a pure function of (step seed, b, k)
 (`FOOVB.draw_noise`), and the step seeds come from `FOOVB.generator`, whose state `distribute` broadcasts from
@@ -264,9 +265,9 @@ def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], n
     `losses` holds this process's losses of the samples `optimizer.sample_shard`. They are placed at their
     sample indices in a length-K vector before the sum, so the result is, per sample, the sample's loss (MC
     mode: one process evaluated it) or the sum of the shards' summed losses (data mode: the full batch's
-    loss). The reduced losses replace the contents of `losses` in place, so that `step` / `step_batched`,
-    which average that list after the update, return the mean over all K samples of the full batch on every
-    process. They travel in the statistics' widest floating dtype (at least float32).
+    loss). The reduced losses (all K samples, the full batch) are returned, so that `step` / `step_batched`
+    report the same mean loss on every process. They travel in the statistics' widest floating dtype (at
+    least float32).
 
     Returns (reduced statistics, num_samples, losses), identical on every process. `num_samples` is
     unchanged: both modes sum over exactly K samples. Records the bytes it all-reduced (statistics, losses
@@ -324,5 +325,4 @@ def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], n
             new_stats[block][key] = LowRank(value.left, next(values))
         else:
             new_stats[block][key] = LowRank(next(values), next(values))
-    losses[:] = next(values).tolist()
-    return new_stats, num_samples, losses
+    return new_stats, num_samples, next(values).tolist()

@@ -126,6 +126,10 @@ class LowRank:
             self.dense += self.left.T @ self.right
             self.left = self.right = None
 
+    def tensors(self) -> list[Tensor]:
+        """The stored pieces (factors and/or dense part)."""
+        return [t for t in (self.left, self.right, self.dense) if t is not None]
+
     def add_dense(self, matrix: Tensor) -> None:
         self.dense = matrix.clone() if self.dense is None else self.dense + matrix
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linalg import LowRank
 from .posteriors import FAMILIES, DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, PosteriorView
 from .sampled import SampledNetwork, check_batched_support
 
@@ -274,8 +275,7 @@ class FOOVB(torch.optim.Optimizer):
                     block.accumulate(stats[block], noises[block], grads)
         finally:
             self.load_mean_into_model()
-        self._apply_update(stats, losses, self.mc_samples)
-        return sum(losses) / len(losses)
+        return self._apply_update(stats, losses, self.mc_samples)
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> float:
@@ -320,17 +320,21 @@ class FOOVB(torch.optim.Optimizer):
             value = float(loss.detach())
             per_sample = value / c if self.loss_reduction == "sum" else value
             losses.extend([per_sample] * c)
-        self._apply_update(stats, losses, self.mc_samples)
-        return sum(losses) / len(losses)
+        return self._apply_update(stats, losses, self.mc_samples)
 
     @torch.no_grad()
-    def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> None:
-        """All-reduce the statistics under torch.distributed, check them, then UPDATE every block."""
+    def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> float:
+        """All-reduce the statistics under torch.distributed, check them, then UPDATE every block.
+
+        Returns the mean loss over all samples (of all processes)."""
         if self.process_group is not None:
             from .distributed import all_reduce_statistics
 
             stats, num_samples, losses = all_reduce_statistics(self, stats, num_samples, losses)
-        bad = [b for b in self.blocks if not all(torch.isfinite(t).all() for t in b.stats_tensors(stats[b]))]
+        def finite(value: Tensor | LowRank) -> bool:
+            return all(torch.isfinite(t).all() for t in (value.tensors() if isinstance(value, LowRank) else [value]))
+
+        bad = [b for b in self.blocks if not all(finite(v) for v in stats[b].values())]
         if bad or not all(math.isfinite(v) for v in losses):
             where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
             raise FloatingPointError(
@@ -339,6 +343,7 @@ class FOOVB(torch.optim.Optimizer):
             block.update(stats[block], num_samples, self.mean_step)
         self.load_mean_into_model()
         self.steps_taken += 1
+        return sum(losses) / len(losses)
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

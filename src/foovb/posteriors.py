@@ -92,14 +92,7 @@ class PosteriorBlock(ABC):
     def view(self, index: int) -> PosteriorView:
         """The posterior of params[index]."""
 
-    def stats_tensors(self, stats: dict) -> list[Tensor]:
-        """The dense tensors of `stats`, in a fixed order (what distributed training all-reduces)."""
-        return [v.to_dense() if isinstance(v, LowRank) else v for v in stats.values()]
 
-    def stats_from_tensors(self, tensors: Sequence[Tensor]) -> dict:
-        keys = self.new_statistics().keys()
-        return {k: (LowRank(dense=t) if isinstance(self.new_statistics()[k], LowRank) else t)
-                for k, t in zip(keys, tensors, strict=True)}
 
 
 class DiagonalBlock(PosteriorBlock):
@@ -127,7 +120,8 @@ class DiagonalBlock(PosteriorBlock):
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         (grad,) = grads
         stats["grad_sum"] += grad.sum(0)
-        stats["grad_noise_sum"] += torch.einsum("k...,k...->...", grad, noise)
+        for grad_k, noise_k in zip(grad, noise, strict=True):  # in place: much faster than einsum here
+            stats["grad_noise_sum"].addcmul_(grad_k, noise_k)
 
     def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
         std = self.state["std"]
@@ -217,7 +211,8 @@ class KroneckerBlock(PosteriorBlock):
         a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
         stats["psi_sum"] += psi.sum(0)
         stats["psi_b_phi"].add(psi.flatten(0, 1), (b @ noise).flatten(0, 1))
-        stats["psi_a_phi"] += torch.einsum("kpn,kqn->pq", psi @ a, noise)
+        for psi_a_k, noise_k in zip(psi @ a, noise, strict=True):
+            stats["psi_a_phi"].addmm_(psi_a_k, noise_k.T)
 
     def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
         a, b, mean = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"], self.state["mean"]

@@ -174,7 +174,7 @@ class _Layer:
             flat_delta = delta.flatten(0, 1)
             s["psi_sum"] += flat_delta.T @ x_aug.flatten(0, 1)
             s["psi_b_phi"].add(x_aug.flatten(0, 1), delta_b_phi.flatten(0, 1))
-        s["psi_a_phi"] += torch.einsum("kri,krj->ij", delta, noise_pre)
+        s["psi_a_phi"].addmm_(delta.flatten(0, 1).T, noise_pre.flatten(0, 1))  # sum_k Delta_k^T (X A Phi_k^T)
 
 
 class SampledNetwork:
