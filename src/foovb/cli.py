@@ -7,6 +7,8 @@ import csv
 import sys
 from pathlib import Path
 
+import torch
+
 from .config import ConfigError, load_config
 
 __all__ = ["main"]
@@ -18,6 +20,8 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     run_dir = Path(args.out) if args.out else Path("runs") / config.name
     summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return 0
     for mode, entry in summary["modes"].items():
         print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
               f"first task {entry['first_task_accuracy']:.4f}")

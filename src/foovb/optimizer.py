@@ -331,10 +331,13 @@ class FOOVB(torch.optim.Optimizer):
             from .distributed import all_reduce_statistics
 
             stats, num_samples, losses = all_reduce_statistics(self, stats, num_samples, losses)
-        def finite(value: Tensor | LowRank) -> bool:
-            return all(torch.isfinite(t).all() for t in (value.tensors() if isinstance(value, LowRank) else [value]))
+        def pieces(block: PosteriorBlock) -> list[Tensor]:
+            return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
 
-        bad = [b for b in self.blocks if not all(finite(v) for v in stats[b].values())]
+        # NaN/Inf propagate through norms: one synchronisation for all blocks, then find the culprits
+        norms = torch._foreach_norm([t for block in self.blocks for t in pieces(block)])
+        bad = [] if torch.stack(norms).sum().isfinite() else [
+            b for b in self.blocks if not all(torch.isfinite(t).all() for t in pieces(b))]
         if bad or not all(math.isfinite(v) for v in losses):
             where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
             raise FloatingPointError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .linalg import LowRank, root_scale, sqrt_covariance_update
+from .linalg import LowRank, sqrt_covariance_update
 
 __all__ = [
     "PosteriorBlock",
@@ -45,9 +45,10 @@ class PosteriorView:
 
 
 def signed_root_scale(x: Tensor) -> Tensor:
-    """sqrt(1 + x^2/4) - x/2 for x of any sign, evaluated without cancellation."""
-    positive = root_scale(x.abs())
-    return torch.where(x >= 0, positive, 1.0 / positive)
+    """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation: with r = sqrt(1 + x^2/4) + |x|/2,
+    the value is 1/r for x >= 0 and r for x < 0, i.e. r^(-sign x)."""
+    half = 0.5 * x
+    return torch.pow(torch.hypot(half, torch.ones_like(half)) + half.abs(), -torch.sign(x))
 
 
 class PosteriorBlock(ABC):

@@ -140,7 +140,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     Returns the summary (also in summary.json).
     """
     run_dir = Path(run_dir)
-    # [distributed] under torchrun: MC-parallel FOO-VB (docs/distributed.md); only rank 0 writes files.
+    # under torchrun: MC-parallel FOO-VB (docs/distributed.md); only rank 0 writes files.
     distributed_run = distributed.setup_run(config.learner.kind)
     main_process = not distributed_run or torch.distributed.get_rank() == 0
     checkpoint_path = run_dir / "checkpoint.pt"
@@ -148,7 +148,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
     if not resume and (run_dir / "summary.json").exists():
         raise FileExistsError(f"{run_dir} already holds a finished run; choose another directory or --resume")
-    if main_process:  # [distributed]
+    if main_process:
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -157,7 +157,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         if saved != resolved:
             raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'}")
-    if main_process:  # [distributed]
+    if main_process:
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
     scenario = build_scenario(config)
@@ -177,17 +177,17 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         learner.load_state_dict(state["learner"])
         start, records, train_seconds, stds = state["iteration"], state["records"], state["train_seconds"], state[
             "stds"]
-    if distributed_run:  # [distributed] every rank then holds rank 0's posterior and noise generator
+    if distributed_run:  # every rank then holds rank 0's posterior and noise generator
         distributed.distribute(learner.optimizer, "mc")
     eval_points = set(scenario.eval_points)
 
     def save_checkpoint(iteration: int) -> None:
-        if main_process:  # [distributed]
+        if main_process:
             _atomic_save({"learner": learner.state_dict(), "iteration": iteration, "records": records,
                           "train_seconds": train_seconds, "stds": stds}, checkpoint_path)
 
     bar = None
-    if progress and main_process:  # [distributed]
+    if progress and main_process:
         import sys
 
         from tqdm import tqdm
@@ -239,9 +239,10 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         "seconds_per_iteration": train_seconds / max(scenario.num_iterations, 1),
         "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                     f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": _summary(records, ends, scenario.num_tasks),
     }
-    if main_process:  # [distributed]
+    if main_process:
         write_outputs(run_dir, records, summary, stds, scenario, config)
     return summary
 
