@@ -74,9 +74,9 @@ def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, siz
     return median_ms(step, repeats)
 
 
-def update_share(x, y, k: int, repeats: int) -> tuple[float, float]:
+def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple[float, float]:
     """Time of a Kronecker step and of its UPDATE alone (statistics -> new M, A, B for all layers)."""
-    model = mlp()
+    model = mlp(sizes)
     opt = FOOVB(model, "kronecker", mc_samples=k, seed=0)
     captured = {}
     original = opt._apply_update
@@ -102,25 +102,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--sizes", default="784,100,100,10",
+                        help="MLP layer sizes (the paper's timing table uses the continuous net 1024,200,200,10)")
+    parser.add_argument("--ks", default="1,2,10,32", help="MC sample counts of the diagonal family")
     args = parser.parse_args()
+    sizes = tuple(int(v) for v in args.sizes.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mnist = load_mnist()  # a real batch: random inputs with random labels make the summed-loss updates diverge
-    x = (mnist.train_images[:128].flatten(1).float() / 255 - MNIST_MEAN) / MNIST_STD
+    images = mnist.train_images[:128].float()
+    if sizes[0] == 1024:  # the continuous scenario's 32 x 32 zero-padded inputs
+        images = F.pad(images, (2, 2, 2, 2))
+    x = ((images / 255 - MNIST_MEAN) / MNIST_STD).flatten(1)
     y = mnist.train_labels[:128]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLP 784-100-100-10, batch 128; "
-          f"median of {args.repeats} steps")
-    sgd = sgd_step_ms(x, y, args.repeats)
+    if x.shape[1] != sizes[0]:
+        raise SystemExit(f"--sizes must start with 784 or 1024, got {sizes[0]}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLP {'-'.join(map(str, sizes))}, "
+          f"batch 128; median of {args.repeats} steps")
+    sgd = sgd_step_ms(x, y, args.repeats, sizes)
     print(f"\nSGD step: {sgd:.3f} ms\n")
     print("| posterior | K | batched ms | batched / SGD | sequential ms | sequential / SGD |")
     print("|---|---|---|---|---|---|")
-    for k in (1, 2, 10, 32):
-        batched = foovb_step_ms(x, y, "diagonal", k, True, args.repeats)
-        sequential = foovb_step_ms(x, y, "diagonal", k, False, max(5, args.repeats // 3))
+    for k in (int(v) for v in args.ks.split(",")):
+        batched = foovb_step_ms(x, y, "diagonal", k, True, args.repeats, sizes)
+        sequential = foovb_step_ms(x, y, "diagonal", k, False, max(5, args.repeats // 3), sizes)
         print(f"| diagonal | {k} | {batched:.2f} | {batched / sgd:.1f} | {sequential:.2f} | {sequential / sgd:.1f} |")
-    step, update = update_share(x, y, 10, args.repeats)
-    sequential = foovb_step_ms(x, y, "kronecker", 10, False, max(5, args.repeats // 3))
+    step, update = update_share(x, y, 10, args.repeats, sizes)
+    sequential = foovb_step_ms(x, y, "kronecker", 10, False, max(5, args.repeats // 3), sizes)
     print(f"| kronecker | 10 | {step:.2f} | {step / sgd:.1f} | {sequential:.2f} | {sequential / sgd:.1f} |")
     print(f"\nKronecker K=10 batched step: {step:.1f} ms, of which the UPDATE of all three layers "
           f"(Lemma 1 for A and B, mean) {update:.1f} ms ({100 * update / step:.0f}%)")
