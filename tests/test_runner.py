@@ -171,3 +171,13 @@ def test_vision_mix_task_aware_lenet_end_to_end(tmp_path) -> None:
     # 24 steps per task on 96 images: the class squares are easy, chance is 10%.
     assert summary["modes"]["mean"]["average_accuracy"] > 0.3
     assert summary["modes"]["mean"]["first_task_accuracy"] > 0.3
+
+
+def test_every_shipped_config_is_valid() -> None:
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 10
+    for path in configs:
+        config = load_config(path)
+        assert config.name == path.stem or path.stem == "demo", path
