@@ -99,12 +99,15 @@ def test_padding_comes_before_permuting(padded_permuted_mnist):
     identity = padded_permuted_mnist.train_batch(torch.zeros(2, dtype=torch.int64), indices).x.reshape(
         2, 32, 32
     )
-    torch.testing.assert_close(
-        identity[:, 2:30, 2:30], (mnist.train_images[indices].float() / 255 - MEAN) / STD
-    )
+    # standardised with the statistics of the padded images (the reference's 0.1000 / 0.2752)
+    padded = torch.nn.functional.pad(load_mnist().train_images.float() / 255, (2, 2, 2, 2))
+    mean, std = padded_permuted_mnist.pixel_mean, padded_permuted_mnist.pixel_std
+    assert abs(mean - padded.mean().item()) < 2e-4 and abs(std - padded.std().item()) < 2e-4
+    assert abs(mean - 0.1000) < 2e-4 and abs(std - 0.2752) < 2e-4
+    torch.testing.assert_close(identity[:, 2:30, 2:30], (mnist.train_images[indices].float() / 255 - mean) / std)
     border = torch.ones(32, 32, dtype=torch.bool)
     border[2:30, 2:30] = False
-    assert torch.allclose(identity[:, border], torch.tensor(-MEAN / STD))
+    torch.testing.assert_close(identity[:, border], torch.full((2, 240), -mean / std))
     permuted = padded_permuted_mnist.train_batch(torch.ones(2, dtype=torch.int64), indices).x
     torch.testing.assert_close(permuted, identity.reshape(2, 1024)[:, padded_permuted_mnist.permutations[1]])
 
@@ -319,3 +322,12 @@ def test_joint_stream_mixes_all_tasks_once_per_epoch(permuted_mnist, monkeypatch
     assert len(batches[0][1].task.unique()) == 3
     for (tasks, indices), (_, batch) in zip(calls, batches, strict=True):
         assert torch.equal(batch.x, permuted_mnist.train_batch(tasks, indices).x)
+
+
+def test_normalization_none_feeds_unit_pixels(permuted_mnist):
+    plain = PermutedMNIST(num_tasks=2, seed=0, normalization="none")
+    x, _ = plain.test_set(1)
+    expected = load_mnist().test_images.reshape(10000, 784).float() / 255
+    torch.testing.assert_close(x, expected[:, plain.permutations[1]])
+    with pytest.raises(ValueError, match="normalization"):
+        PermutedMNIST(num_tasks=2, normalization="zscore")

@@ -32,6 +32,7 @@ class ScenarioConfig:
     iterations_per_task: int = 20 * 469  # continuous permuted MNIST
     batch_size: int = 128
     pad_to_32: bool = False
+    normalization: str = "standard"  # permuted MNIST inputs: "standard" (zero mean, unit variance) or "none" ([0, 1])
     train_subset: int | None = None  # first N training images (quick runs)
     eval_every: int | None = None  # continuous: evaluate every N iterations (default: once per task period)
     joint: bool = False  # the joint-training oracle: all tasks mixed
@@ -127,6 +128,8 @@ def validate(config: Config) -> Config:
         _positive(f"scenario.{key}", getattr(s, key))
     if s.seed < 0 or config.seed < 0:
         raise ConfigError("seed: must be non-negative")
+    if s.normalization not in ("standard", "none"):
+        raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
     if s.train_subset is not None and s.kind != "discrete_permuted_mnist":
         raise ConfigError("scenario.train_subset: only the discrete permuted MNIST scenario takes a subset")
     if s.eval_every is not None and s.kind != "continuous_permuted_mnist":

@@ -50,7 +50,7 @@ def build_scenario(config: Config):
     if s.kind == "vision_mix":
         scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed)
     else:
-        benchmark = PermutedMNIST(s.num_tasks, s.seed, s.pad_to_32)
+        benchmark = PermutedMNIST(s.num_tasks, s.seed, s.pad_to_32, s.normalization)
         if s.kind == "discrete_permuted_mnist":
             scenario = DiscretePermutedMNIST(benchmark, s.epochs_per_task, s.batch_size, s.seed, s.train_subset)
         else:
