@@ -13,6 +13,7 @@ size; there is no silent default for it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,12 @@ from .sampled import SampledNetwork, check_batched_support
 __all__ = ["FOOVB"]
 
 _MASK64 = (1 << 64) - 1
-_NOISE_POOL: ThreadPoolExecutor | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _noise_pool(workers: int) -> ThreadPoolExecutor:
+    """Threads that draw the Monte Carlo noise of several blocks at once (torch releases the GIL)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="foovb-noise")
 
 
 def _mix(*values: int) -> int:
@@ -207,12 +213,9 @@ class FOOVB(torch.optim.Optimizer):
         indices = range(len(self.blocks))
         threads = torch.get_num_threads()
         if threads > 1 and len(self.blocks) > 1 and len(samples) * self._numel > 1 << 16:
-            global _NOISE_POOL
-            if _NOISE_POOL is None or _NOISE_POOL._max_workers != threads:
-                _NOISE_POOL = ThreadPoolExecutor(threads, thread_name_prefix="foovb-noise")
             # largest blocks first, so the threads finish together
             order = sorted(indices, key=lambda i: -self.blocks[i].state["mean"].numel())
-            drawn = dict(zip(order, _NOISE_POOL.map(draw, order), strict=True))
+            drawn = dict(zip(order, _noise_pool(threads).map(draw, order), strict=True))
         else:
             drawn = {i: draw(i) for i in indices}
         return {self.blocks[i]: drawn[i] for i in indices}
