@@ -31,7 +31,7 @@ __all__ = ["FOOVB"]
 _MASK64 = (1 << 64) - 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _noise_pool(workers: int) -> ThreadPoolExecutor:
     """Threads that draw the Monte Carlo noise of several blocks at once (torch releases the GIL)."""
     return ThreadPoolExecutor(workers, thread_name_prefix="foovb-noise")
