@@ -38,6 +38,8 @@ def quick(**changes) -> dict:
         ({"evaluation.test_subset": "true"}, "evaluation.test_subset"),
         ({"seed": -1}, "seed"),
         ({"scenario.eval_every": 5}, "scenario.eval_every"),
+        ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.joint": "true",
+          "scenario.train_subset": "null"}, "scenario.joint"),
     ],
 )
 def test_bad_config_names_the_key(change: dict, key: str) -> None:

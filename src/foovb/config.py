@@ -134,6 +134,9 @@ def validate(config: Config) -> Config:
         raise ConfigError("scenario.train_subset: only the discrete permuted MNIST scenario takes a subset")
     if s.eval_every is not None and s.kind != "continuous_permuted_mnist":
         raise ConfigError("scenario.eval_every: only the continuous scenario evaluates at fixed intervals")
+    if s.kind == "vision_mix" and s.joint:
+        raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
+                          "(not supported)")
     if s.kind == "vision_mix" and s.data_dir is None:
         raise ConfigError("scenario.data_dir: the vision mix needs a data directory")
     if config.model.kind not in ("mlp", "lenet"):

@@ -198,7 +198,12 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     last_average = float("nan")
     tic = time.perf_counter()
     for iteration, batch in scenario.batches(start):
-        task = int(batch.task[0]) if scenario.task_aware else None
+        task = None
+        if scenario.task_aware:
+            task = int(batch.task[0])
+            if not bool((batch.task == task).all()):
+                raise ValueError("a task-aware learner got a batch mixing several tasks (e.g. the joint oracle of "
+                                 "the vision mix): per-sample task heads are not supported")
         loss = learner.observe(batch.x, batch.y, task)
         running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
         done = iteration + 1
