@@ -155,18 +155,19 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     A_new = A (I + U (h(s) - 1) U^T) where U, s are the left singular vectors / values of N = A^T T.
     A_new A_new^T = X X^T for Lemma 1's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
     posterior is the paper's. Uses a thin QR + SVD in O(n^2 r) when T is low rank, a dense SVD otherwise.
+    The decompositions run in `dtype` (float64); the O(n^2 r) products in A's own dtype, whose precision is
+    that of the stored factor anyway.
     """
-    a = sqrt_cov.to(dtype)
+    a = sqrt_cov
     if t.dense is not None:
-        n_mat = a.T @ t.to_dense().to(dtype)
+        n_mat = (a.T @ t.to_dense().to(a.dtype)).to(dtype)
         u, s, _ = torch.linalg.svd(n_mat)
     else:
         # N = A^T L^T C = Z C with Z = (L A)^T (n x r); Z = Q_Z R_Z, so N = Q_Z (R_Z C) and the SVD of the
         # small r x n matrix R_Z C gives N's nonzero singular values and left singular vectors Q_Z U_small.
-        z = (t.left.to(dtype) @ a).T
+        z = (t.left.to(a.dtype) @ a).T.to(dtype)
         q_z, r_z = torch.linalg.qr(z)
         u_small, s, _ = torch.linalg.svd(r_z @ t.right.to(dtype), full_matrices=False)
         u = q_z @ u_small
-    a_u = a @ u
-    a_new = a + (a_u * (root_scale(s) - 1.0)) @ u.T
-    return a_new.to(sqrt_cov.dtype)
+    u = u.to(a.dtype)
+    return a + ((a @ u) * (root_scale(s) - 1.0).to(a.dtype)) @ u.T
