@@ -32,7 +32,7 @@ class ScenarioConfig:
     iterations_per_task: int = 20 * 469  # continuous permuted MNIST
     batch_size: int = 128
     pad_to_32: bool = False
-    normalization: str = "standard"  # permuted MNIST inputs: "standard" (zero mean, unit variance) or "none" ([0, 1])
+    normalization: str = "standard"  # permuted MNIST inputs: "standard" (zero mean, unit variance), "none" ([0,1])
     train_subset: int | None = None  # first N training images (quick runs)
     eval_every: int | None = None  # continuous: evaluate every N iterations (default: once per task period)
     joint: bool = False  # the joint-training oracle: all tasks mixed

@@ -145,9 +145,8 @@ class PermutedMNIST:
     * ``"standard"``: ``(x/255 - mean) / std`` with the pixel statistics of the images fed to the model:
       0.1307 / 0.3081 for MNIST, and those of the zero-padded images (0.1000 / 0.2752) with ``pad_to_32``,
       as the reference implementation does for the continuous experiment;
-    * ``"none"``: ``x/255`` in [0, 1], as the reference implementation feeds the discrete experiment. The
-      paper's sigma_init = 0.047 was tuned for these inputs: FOO-VB's step is sigma^2 E[g] and the first
-      layer's gradients grow with the input scale.
+    * ``"none"``: ``x/255`` in [0, 1]. FOO-VB's step is sigma^2 E[g] and the first layer's gradients grow
+      with the input scale, so the scaling interacts with sigma_init (README: measured on the discrete run).
     """
 
     num_classes = 10
