@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
@@ -42,15 +43,19 @@ def _plot_curves(
     if not curves:
         raise ValueError("curves must hold at least one labelled (x, y) curve")
     validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
-    figure = Figure(figsize=(6.4, 4.4))
+    figure = Figure(figsize=(6.4 if len(validated) <= 4 else 9.0, 4.4))
     axes = figure.add_subplot()
-    for label, (x, y) in validated.items():
-        axes.plot(x, y, marker="o", markersize=3, label=label)
+    colors = matplotlib.colormaps["tab10" if len(validated) <= 10 else "tab20"].colors
+    for index, (label, (x, y)) in enumerate(validated.items()):
+        axes.plot(x, y, marker="o", markersize=3, label=label, color=colors[index % len(colors)])
     axes.set_title(title)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
-    axes.legend()
+    if len(validated) <= 4:
+        axes.legend()
+    else:  # many curves: keep the legend off the data
+        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
     return _save(figure, path)
 
 
