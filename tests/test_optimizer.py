@@ -816,3 +816,29 @@ def test_init_keep_keeps_model_weights_and_paper_init_is_seeded(family):
         inits.append(params_snapshot(model))
     assert not all_equal(inits[0], before)
     assert all_equal(inits[0], inits[1]) and not all_equal(inits[0], inits[2])
+
+
+def test_batched_kronecker_refuses_a_linear_called_twice():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.relu(self.fc(torch.relu(self.fc(x)))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = FOOVB(model, "kronecker", mc_samples=2, seed=0)
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    with pytest.raises(ValueError, match="called twice"):
+        opt.step_batched(x, y)
+    closure_loss = opt.step(lambda: _tied_closure(model, x, y))  # the sequential path handles it
+    assert math.isfinite(closure_loss)
+
+
+def _tied_closure(model, x, y):
+    loss = F.cross_entropy(model(x), y, reduction="sum")
+    loss.backward()
+    return loss

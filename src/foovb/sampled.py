@@ -134,6 +134,9 @@ class _Layer:
             noise_pre = x_a @ phi.transpose(1, 2)
         y = mean_out + noise_pre @ b.T  # (c, r, p)
         if self.track_grad:
+            if self.saved:
+                raise ValueError("a matrix-variate nn.Linear was called twice in one forward pass (shared weights): "
+                                 "the batched path cannot attribute its statistics; use FOOVB.step(closure)")
             self.saved = {"x": rows.detach(), "noise_pre": noise_pre.detach()}
             if not y.requires_grad:  # first layer: nothing upstream needs gradients, but Delta_k does
                 y.requires_grad_()
