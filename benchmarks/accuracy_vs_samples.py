@@ -41,6 +41,9 @@ def main() -> None:
         by_samples.plot(ks, accs, marker="o", label=f"{learner} ({mode})")
         by_time.plot(minutes, accs, marker="o", label=f"{learner} ({mode})")
     by_samples.set_xscale("log")
+    all_k = sorted({k for points in series.values() for k, _, _ in points})
+    by_samples.set_xticks(all_k, [str(k) for k in all_k])
+    by_samples.minorticks_off()
     by_samples.set(xlabel="MC samples per step (K)", ylabel="final average accuracy", title="Accuracy vs K")
     by_time.set(xlabel="training wall-clock (minutes)", ylabel="final average accuracy",
                 title="Accuracy vs wall-clock")
