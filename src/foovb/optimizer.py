@@ -334,6 +334,7 @@ class FOOVB(torch.optim.Optimizer):
             from .distributed import all_reduce_statistics
 
             stats, num_samples, losses = all_reduce_statistics(self, stats, num_samples, losses)
+
         def pieces(block: PosteriorBlock) -> list[Tensor]:
             return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
 

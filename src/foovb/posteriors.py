@@ -94,8 +94,6 @@ class PosteriorBlock(ABC):
         """The posterior of params[index]."""
 
 
-
-
 class DiagonalBlock(PosteriorBlock):
     """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
 
