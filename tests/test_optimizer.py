@@ -199,6 +199,36 @@ def test_diagonal_update_is_exact_for_reconstructed_noise(k_samples):
     assert torch.equal(lin.weight.detach(), view.mean)
 
 
+def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
+    opt = FOOVB(mlp(), "diagonal", 4, antithetic=True, seed=0)
+    noise = opt.draw_noise(123, range(6), antithetic=True)
+    plain = opt.draw_noise(123, range(6))
+    for block in opt.blocks:
+        eps = noise[block]
+        assert torch.equal(eps[1::2], -eps[0::2])
+        assert torch.equal(eps[0::2], plain[block][0:3])  # pair j is seeded like sample j
+        assert not torch.equal(eps[0], eps[2])
+
+
+@pytest.mark.parametrize("k_samples", [2, 6])
+def test_antithetic_diagonal_update_on_quadratic_is_exact_in_the_mean_and_never_grows_sigma(k_samples):
+    """Quadratic loss, pairs (eps, -eps): the pair mean of g = h (mu - c + sigma eps) is h (mu - c) exactly, and
+    of g eps it is h sigma eps^2 >= 0: the mean update is exact and sigma can only shrink, whatever K."""
+    lin, opt, sigma, c, h = _diag_quadratic(50, k_samples, seed=23)
+    opt.antithetic = True
+    mu = lin.weight.detach().clone()
+    opt.step(quadratic_closure(lin.weight, c, h))
+    view = opt.posterior(lin.weight)
+    torch.testing.assert_close(view.mean, mu - sigma**2 * h * (mu - c), rtol=1e-12, atol=1e-14)
+    assert bool((view.std <= sigma).all())
+    # Independent draws: the same K gives an inexact mean and, with K = 2, a larger sigma on some weights.
+    lin, opt, sigma, c, h = _diag_quadratic(50, k_samples, seed=23)
+    opt.step(quadratic_closure(lin.weight, c, h))
+    view = opt.posterior(lin.weight)
+    assert not torch.allclose(view.mean, mu - sigma**2 * h * (mu - c), rtol=1e-6, atol=0)
+    assert bool((view.std > sigma).any()) == (k_samples == 2)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Matrix-variate family (Algorithm 3)
 # ---------------------------------------------------------------------------------------------------------
@@ -379,10 +409,11 @@ def test_exact_bayes_regression_batched_path_gives_same_result(regression):
 ARCHS = {"mlp": (mlp, mlp_batch), "cnn": (cnn, cnn_batch)}
 
 
-def _train(arch, family, mode, steps=2, k_samples=5, chunk=None, reduction="sum", seed=13, dtype=F64):
+def _train(arch, family, mode, steps=2, k_samples=5, chunk=None, reduction="sum", seed=13, dtype=F64,
+           antithetic=False):
     make_model, make_batch = ARCHS[arch]
     model = make_model(seed=0, dtype=dtype)
-    opt = FOOVB(model, family, k_samples, loss_reduction=reduction, seed=seed)
+    opt = FOOVB(model, family, k_samples, loss_reduction=reduction, seed=seed, antithetic=antithetic)
     if dtype == F64:  # non-symmetric square roots: A and A^T must not be confused
         randomize_factors(opt, make_generator(5))
     for step in range(steps):
@@ -415,6 +446,18 @@ def test_sequential_equals_batched(arch, family, dtype):
     # The run did move the posterior (otherwise equality would be vacuous).
     fresh = FOOVB(ARCHS[arch][0](seed=0, dtype=dtype), family, 5, seed=13)
     assert not all_equal(expected, posterior_snapshot(fresh))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_antithetic_sequential_equals_batched(family):
+    """The pairs (eps, -eps) are a pure function of the sample index: any chunking sees the same draws."""
+    _, ref = _train("mlp", family, "step", k_samples=4, antithetic=True)
+    for chunk in (1, 3):  # chunk 3 splits the second pair across passes
+        _, opt = _train("mlp", family, "batched", k_samples=4, chunk=chunk, antithetic=True)
+        for got, want in zip(posterior_snapshot(opt), posterior_snapshot(ref), strict=True):
+            torch.testing.assert_close(got, want, **TOLERANCE[F64])
+    _, independent = _train("mlp", family, "step", k_samples=4)
+    assert not all_equal(posterior_snapshot(independent), posterior_snapshot(ref))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -495,6 +538,7 @@ BAD_KWARGS = [
     ("loss_reduction", {"loss_reduction": "avg"}),
     ("init", {"init": "xavier"}),
     ("max_full_params", {"max_full_params": 0}),
+    ("antithetic", {"mc_samples": 3, "antithetic": True}),
 ]
 
 
@@ -782,6 +826,16 @@ def test_paper_init_diagonal_and_full(family):
         assert torch.equal(module.bias.detach(), torch.zeros_like(module.bias))
         for p in (module.weight, module.bias):
             torch.testing.assert_close(opt.posterior(p).std, torch.full_like(p, 0.03), rtol=1e-6, atol=0)
+
+
+def test_bgd_init_draws_biases_with_fan_out_variance():
+    """init="bgd": the paper's weights and the BGD code's biases N(0, 2 / (1 + fan_out))."""
+    model = nn.Sequential(nn.Linear(30, 4000), nn.Conv2d(3, 500, 3))
+    FOOVB(model, "diagonal", init="bgd", seed=0)
+    for module in model:
+        fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
+        _check_normal_sample(module.weight.detach(), math.sqrt(2 / (fan_in + fan_out)))
+        _check_normal_sample(module.bias.detach(), math.sqrt(2 / (1 + fan_out)))
 
 
 @pytest.mark.parametrize("module", [nn.Linear(400, 500), nn.Conv2d(32, 64, 3)], ids=["linear", "conv"])

@@ -47,6 +47,9 @@ def _mix(*values: int) -> int:
     return h & ((1 << 63) - 1)
 
 
+INITS = ("paper", "bgd", "keep")
+
+
 class FOOVB(torch.optim.Optimizer):
     """Fixed-point Operator for Online Variational Bayes.
 
@@ -65,8 +68,14 @@ class FOOVB(torch.optim.Optimizer):
             other values are an extension.
         loss_reduction: "sum" (the closure returns the summed NLL of the batch, the paper's L_n) or "mean".
         init: "paper" initialises the means as in the paper's appendix (Linear/Conv weights
-            N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "keep" uses the
-            model's current parameters as the prior mean.
+            N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "bgd" is "paper" with
+            the biases of the authors' BGD code, N(0, 2 / (1 + fan_out)) (the appendix does not state them);
+            "keep" uses the model's current parameters as the prior mean.
+        antithetic: draw the Monte Carlo samples in antithetic pairs (eps, -eps) (needs an even mc_samples).
+            The estimates of E[g] and E[g eps^T] stay unbiased, and the part of the noise that is linear in
+            eps cancels within each pair: on a quadratic loss E[g] is exact and E[g eps^T] is H A eps eps^T,
+            free of the gradient at the mean, which otherwise drives a random walk of log sigma (an extension;
+            the paper draws the samples independently).
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
@@ -83,6 +92,7 @@ class FOOVB(torch.optim.Optimizer):
         loss_reduction: str = "sum",
         init: str = "paper",
         max_full_params: int = 4096,
+        antithetic: bool = False,
         seed: int | None = None,
     ):
         if not isinstance(model, nn.Module):
@@ -99,20 +109,23 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"mean_step must be positive and finite, got {mean_step!r}")
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
-        if init not in ("paper", "keep"):
-            raise ValueError(f"init must be 'paper' or 'keep', got {init!r}")
+        if init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {init!r}")
+        if antithetic and mc_samples % 2:
+            raise ValueError(f"antithetic sampling pairs the samples: mc_samples must be even, got {mc_samples}")
         if max_full_params < 1:
             raise ValueError(f"max_full_params must be positive, got {max_full_params!r}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
-                        mean_step=mean_step, loss_reduction=loss_reduction)
+                        mean_step=mean_step, loss_reduction=loss_reduction, antithetic=antithetic)
         super().__init__(params, defaults)
         self.model = model
         self._mc_samples = mc_samples
         self.mean_step = mean_step
         self.loss_reduction = loss_reduction
+        self.antithetic = antithetic
         self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
@@ -121,8 +134,8 @@ class FOOVB(torch.optim.Optimizer):
         self.sample_shard = range(mc_samples)
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
-        if init == "paper" and posterior != "kronecker":
-            self._paper_init(model)
+        if init != "keep" and posterior != "kronecker":
+            self._paper_init(model, random_bias=init == "bgd")
         self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params)
         self._numel = sum(b.state["mean"].numel() for b in self.blocks)
         self.load_mean_into_model()
@@ -134,7 +147,7 @@ class FOOVB(torch.optim.Optimizer):
 
     # -- construction ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _paper_init(self, model: nn.Module) -> None:
+    def _paper_init(self, model: nn.Module, random_bias: bool) -> None:
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
                 fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(module.weight)
@@ -142,7 +155,8 @@ class FOOVB(torch.optim.Optimizer):
                 if module.weight.requires_grad:
                     module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
                 if module.bias is not None and module.bias.requires_grad:
-                    module.bias.zero_()
+                    bias_std = math.sqrt(2.0 / (1 + fan_out)) if random_bias else 0.0
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=self.generator) * bias_std)
 
     def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
                      max_full_params: int) -> list[PosteriorBlock]:
@@ -192,12 +206,13 @@ class FOOVB(torch.optim.Optimizer):
             for param, mean in zip(block.params, block.mean_values(), strict=True):
                 param.copy_(mean)
 
-    def draw_noise(self, seed: int, samples: range) -> dict[PosteriorBlock, Tensor]:
+    def draw_noise(self, seed: int, samples: range, *, antithetic: bool = False) -> dict[PosteriorBlock, Tensor]:
         """eps for the given sample indices, (len(samples), *noise_shape) per block.
 
         The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
-        any chunking and any split of the samples across processes see the same draws. Blocks are drawn in
-        parallel threads (torch releases the GIL) when torch may use several.
+        any chunking and any split of the samples across processes see the same draws. With `antithetic`,
+        sample 2j + 1 is the negative of sample 2j. Blocks are drawn in parallel threads (torch releases the
+        GIL) when torch may use several.
         """
 
         def draw(index: int) -> Tensor:
@@ -206,8 +221,10 @@ class FOOVB(torch.optim.Optimizer):
             out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
             generator = torch.Generator()
             for row, k in enumerate(samples):
-                generator.manual_seed(_mix(seed, index, k))
+                generator.manual_seed(_mix(seed, index, k // 2 if antithetic else k))
                 torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
+                if antithetic and k % 2:
+                    out[row].neg_()
             return out.to(ref.device)
 
         indices = range(len(self.blocks))
@@ -265,7 +282,7 @@ class FOOVB(torch.optim.Optimizer):
         losses = []
         try:
             for k in self.sample_shard:
-                noises = self.draw_noise(seed, range(k, k + 1))
+                noises = self.draw_noise(seed, range(k, k + 1), antithetic=self.antithetic)
                 self.load_sample(noises, 0)
                 for block in self.blocks:
                     for p in block.params:
@@ -311,7 +328,7 @@ class FOOVB(torch.optim.Optimizer):
         for start in range(0, len(shard), chunk):
             samples = shard[start : start + chunk]
             c = len(samples)
-            noises = self.draw_noise(seed, samples)
+            noises = self.draw_noise(seed, samples, antithetic=self.antithetic)
             with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
                 with torch.enable_grad():
                     outputs = self.model(inputs)
