@@ -2,8 +2,8 @@
 
     python benchmarks/accuracy_vs_samples.py RUN_DIR... --out docs/results/mc_samples.png
 
-Reads each run's config.yaml (learner.params.mc_samples) and summary.json, prints a table (one row per run and
-prediction mode) and writes a two-panel PNG.
+Reads each run's config.yaml (learner.params.mc_samples, .antithetic) and summary.json, prints a table (one row
+per run and prediction mode) and writes a two-panel PNG.
 """
 
 from __future__ import annotations
@@ -16,13 +16,18 @@ from matplotlib.figure import Figure
 from foovb.runner import load_run
 
 
+def _label(run: dict) -> str:
+    antithetic = run["config"]["learner"]["params"].get("antithetic", False)
+    return run["summary"]["learner"] + (" antithetic" if antithetic else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default="accuracy_vs_samples.png")
     args = parser.parse_args()
     runs = sorted((load_run(d) for d in args.run_dirs),
-                  key=lambda r: (r["summary"]["learner"], r["config"]["learner"]["params"].get("mc_samples", 10)))
+                  key=lambda r: (_label(r), r["config"]["learner"]["params"].get("mc_samples", 10)))
     figure = Figure(figsize=(10, 4))
     by_samples, by_time = figure.subplots(1, 2)
     print("| learner | MC samples | mode | average accuracy | first-task accuracy | train minutes |")
@@ -33,9 +38,9 @@ def main() -> None:
         k = r["config"]["learner"]["params"].get("mc_samples", 10)
         for mode, entry in s["modes"].items():
             minutes = s["train_seconds"] / 60
-            print(f"| {s['learner']} | {k} | {mode} | {entry['average_accuracy']:.4f} | "
+            print(f"| {_label(r)} | {k} | {mode} | {entry['average_accuracy']:.4f} | "
                   f"{entry['first_task_accuracy']:.4f} | {minutes:.1f} |")
-            series.setdefault((s["learner"], mode), []).append((k, entry["average_accuracy"], minutes))
+            series.setdefault((_label(r), mode), []).append((k, entry["average_accuracy"], minutes))
     for (learner, mode), points in series.items():
         ks, accs, minutes = zip(*points, strict=True)
         by_samples.plot(ks, accs, marker="o", label=f"{learner} ({mode})")

@@ -304,22 +304,27 @@ def test_kronecker_covariance_update_matches_exact_expectations_for_quadratic_lo
 D, V0, S2, BATCHES, ROWS, K_BAYES = 3, 0.25, 4.0, 60, 5, 300
 
 
-@pytest.fixture(scope="module")
-def regression():
+def _regression_data(batches):
+    """x, y and the exact posterior mean and covariance of Bayesian linear regression (prior N(0, V0 I))."""
     g = make_generator(41)
     w_true = torch.randn(D, generator=g, dtype=F64)
-    x = torch.randn(BATCHES * ROWS, D, generator=g, dtype=F64)
-    y = x @ w_true + math.sqrt(S2) * torch.randn(BATCHES * ROWS, generator=g, dtype=F64)
+    x = torch.randn(batches * ROWS, D, generator=g, dtype=F64)
+    y = x @ w_true + math.sqrt(S2) * torch.randn(batches * ROWS, generator=g, dtype=F64)
     cov_post = torch.linalg.inv(torch.eye(D, dtype=F64) / V0 + x.T @ x / S2)
     mean_post = cov_post @ x.T @ y / S2
     return x, y, mean_post, cov_post
 
 
-def _run_regression(x, y, batched, batches=BATCHES):
+@pytest.fixture(scope="module")
+def regression():
+    return _regression_data(BATCHES)
+
+
+def _run_regression(x, y, batched, batches=BATCHES, k_samples=K_BAYES, antithetic=False):
     lin = nn.Linear(D, 1, bias=False).double()
     with torch.no_grad():
         lin.weight.zero_()  # prior mean 0
-    opt = FOOVB(lin, "full", K_BAYES, std_init=math.sqrt(V0), init="keep", seed=7)
+    opt = FOOVB(lin, "full", k_samples, std_init=math.sqrt(V0), init="keep", seed=7, antithetic=antithetic)
 
     def nll(out, t):  # sum_i (y_i - x_i^T w)^2 / (2 s2), the batch's summed Gaussian NLL
         return ((t - out.squeeze(-1)) ** 2).sum() / (2 * S2)
@@ -338,6 +343,22 @@ def _run_regression(x, y, batched, batches=BATCHES):
             opt.step(closure)
     view = opt.posterior(lin.weight)
     return view.mean.flatten(), view.covariance()
+
+
+def test_antithetic_pairs_remove_most_of_the_monte_carlo_bias_on_exact_bayes():
+    """200 batches, K = 16: independent draws leave the covariance ~75% too small (see the test below); with
+    antithetic pairs the noise term X^T (X mu - y) / s2 eps^T cancels within each pair and only the curvature
+    term H A eps eps^T stays noisy. Measured: covariance gap 0.74 -> 0.07, mean gap 0.13 -> 0.012."""
+    batches = 200
+    x, y, mean_post, cov_post = _regression_data(batches)
+    gaps = {}
+    for antithetic in (False, True):
+        mean, cov = _run_regression(x, y, True, batches, k_samples=16, antithetic=antithetic)
+        rel_mean = (torch.linalg.norm(mean - mean_post) / torch.linalg.norm(mean_post)).item()
+        rel_cov = (torch.linalg.norm(cov - cov_post) / torch.linalg.norm(cov_post)).item()
+        gaps[antithetic] = rel_mean, rel_cov
+    assert gaps[False][1] > 0.5 and gaps[True][1] < 0.15, gaps
+    assert gaps[True][0] < 0.04 < gaps[False][0], gaps
 
 
 def _exact_expectation_recursion(x, y):
