@@ -74,8 +74,9 @@ class FOOVB(torch.optim.Optimizer):
         antithetic: draw the Monte Carlo samples in antithetic pairs (eps, -eps) (needs an even mc_samples).
             The estimates of E[g] and E[g eps^T] stay unbiased, and the part of the noise that is linear in
             eps cancels within each pair: on a quadratic loss E[g] is exact and E[g eps^T] is H A eps eps^T,
-            free of the gradient at the mean, which otherwise drives a random walk of log sigma (an extension;
-            the paper draws the samples independently).
+            free of the gradient at the mean, usually the largest noise term. It matters most for the matrix
+            families, whose covariance that noise only shrinks (an extension; the paper draws the samples
+            independently).
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
