@@ -62,8 +62,8 @@ def train(family: str, path: str, inputs: int, mode: str | None,
     if record_noise:
         draw = optimizer.draw_noise
 
-        def recording_draw(seed: int, samples: range) -> dict:
-            out = draw(seed, samples)
+        def recording_draw(seed: int, samples: range, **kwargs: Any) -> dict:
+            out = draw(seed, samples, **kwargs)
             for row, k in enumerate(samples):
                 noises[(optimizer.steps_taken, k)] = [out[block][row].clone() for block in optimizer.blocks]
             return out
