@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from foovb import plots
 from foovb.cli import main
 from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
 from foovb.runner import run
@@ -111,7 +112,7 @@ def test_resume_refuses_a_changed_config_and_a_missing_checkpoint(finished_run, 
         run(config_from_dict(quick(**{"learner.params.mc_samples": 2})), run_dir, resume=True, progress=False)
 
 
-def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, capsys) -> None:
+def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, capsys, monkeypatch) -> None:
     config = tmp_path / "sgd.yaml"
     config.write_text(json.dumps(quick(**{
         "learner.kind": "sgd", "learner.params": "{lr: 0.05}", "scenario.kind": "continuous_permuted_mnist",
@@ -128,6 +129,12 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
     assert len(table) == 1 + 3 + 1  # header, three FOO-VB modes, SGD
     assert (tmp_path / "cmp" / "average_accuracy.png").exists()
     assert "average_accuracy" in capsys.readouterr().out
+    drawn = []
+    monkeypatch.setattr(plots, "plot_average_accuracy", lambda curves, path: drawn.extend(curves))
+    assert main(["compare", str(run_dir), str(tmp_path / "sgd"), "--out", str(tmp_path / "cmp2"),
+                 "--plot-modes", "mean"]) == 0
+    assert sorted(drawn) == sorted([f"{run_dir.name} (mean)", "sgd (mean)"])
+    assert len((tmp_path / "cmp2" / "compare.csv").read_text().splitlines()) == 1 + 3 + 1  # table: every mode
 
 
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:

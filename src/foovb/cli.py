@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, load_config
+from .metrics import ACCURACY_MODES
 
 __all__ = ["main"]
 
@@ -51,8 +52,9 @@ def _compare(args: argparse.Namespace) -> int:
                          f"{entry['average_accuracy']:.4f}", f"{entry['first_task_accuracy']:.4f}",
                          f"{entry.get('forgetting', float('nan')):.4f}", f"{s['train_seconds'] / 60:.1f}",
                          f"{s['seconds_per_iteration'] * 1e3:.2f}"])
-            average_curves[label] = (stages, entry["average_accuracy_curve"])
-            first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
+            if args.plot_modes is None or mode in args.plot_modes:
+                average_curves[label] = (stages, entry["average_accuracy_curve"])
+                first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
     with open(out / "compare.csv", "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -81,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp = sub.add_parser("compare", help="side-by-side table and overlaid plots of finished runs")
     p_cmp.add_argument("run_dirs", nargs="+")
     p_cmp.add_argument("--out", default="compare", help="where to write compare.csv and plots")
+    p_cmp.add_argument("--plot-modes", nargs="+", choices=ACCURACY_MODES, metavar="MODE",
+                       help=f"prediction modes drawn in the plots (of {', '.join(ACCURACY_MODES)}; default all); "
+                            "the table always has every mode")
     p_cmp.set_defaults(func=_compare)
     args = parser.parse_args(argv)
     try:
