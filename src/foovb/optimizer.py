@@ -156,8 +156,11 @@ class FOOVB(torch.optim.Optimizer):
                 if module.weight.requires_grad:
                     module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
                 if module.bias is not None and module.bias.requires_grad:
-                    bias_std = math.sqrt(2.0 / (1 + fan_out)) if random_bias else 0.0
-                    module.bias.copy_(torch.randn(module.bias.shape, generator=self.generator) * bias_std)
+                    if random_bias:  # only "bgd" draws: "paper" keeps the generator's stream of earlier versions
+                        bias_std = math.sqrt(2.0 / (1 + fan_out))
+                        module.bias.copy_(torch.randn(module.bias.shape, generator=self.generator) * bias_std)
+                    else:
+                        module.bias.zero_()
 
     def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
                      max_full_params: int) -> list[PosteriorBlock]:
