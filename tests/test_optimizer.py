@@ -859,6 +859,30 @@ def test_bgd_init_draws_biases_with_fan_out_variance():
         _check_normal_sample(module.bias.detach(), math.sqrt(2 / (1 + fan_out)))
 
 
+@pytest.mark.parametrize("family", ["diagonal", "full"])
+def test_alpha_init_matches_the_matrix_variate_family(family):
+    """init="alpha": per layer, means N(0, 2 alpha / (n_in + 2)) and the prior std of the matrix-variate
+    family at initialisation, sqrt(2 (1 - alpha) / (n_in + 2)); parameters outside Linear/Conv keep std_init."""
+    alpha = 0.3
+    sizes = ((400, 500), (32, 64)) if family == "diagonal" else ((30, 40), (4, 5))
+    model = nn.Sequential(nn.Linear(sizes[0][0], sizes[0][1]), nn.Conv2d(sizes[1][0], sizes[1][1], 3),
+                          nn.GroupNorm(1, sizes[1][1]))
+    opt = FOOVB(model, family, std_init=0.03, init="alpha", alpha=alpha, seed=0)
+    for module in model[:2]:
+        n_in = module.weight[0].numel()
+        kronecker = FOOVB(type(module)(*sizes[0 if isinstance(module, nn.Linear) else 1],
+                                       *(() if isinstance(module, nn.Linear) else (3,))),
+                          "kronecker", alpha=alpha, seed=0)
+        if family == "diagonal":  # enough draws for a distribution check
+            _check_normal_sample(module.weight.detach(), math.sqrt(2 * alpha / (n_in + 2)))
+        for index, p in enumerate((module.weight, module.bias)):
+            expected = kronecker.posterior(kronecker.blocks[0].params[index]).std
+            torch.testing.assert_close(opt.posterior(p).std, expected)
+            assert not torch.equal(p.detach(), torch.zeros_like(p))  # biases are drawn too
+    for p in model[2].parameters():
+        torch.testing.assert_close(opt.posterior(p).std, torch.full_like(p, 0.03), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("module", [nn.Linear(400, 500), nn.Conv2d(32, 64, 3)], ids=["linear", "conv"])
 def test_paper_init_kronecker(module):
     alpha = 0.3

@@ -41,7 +41,7 @@ class FOOVBLearner:
         batched: evaluate the MC samples in one batched pass (`FOOVB.step_batched`) or sequentially.
         chunk_size: samples per batched pass (memory bound).
         num_heads, classes_per_head: multi-head (task-aware) models.
-        init: initialisation of the posterior mean ("paper", "bgd" or "keep"): see `FOOVB`.
+        init: initialisation of the posterior ("paper", "bgd", "alpha" or "keep"): see `FOOVB`.
         antithetic: draw the Monte Carlo samples in antithetic pairs: see `FOOVB`.
         seed: seed of the optimizer's noise and initialisation.
     """

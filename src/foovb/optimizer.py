@@ -47,7 +47,7 @@ def _mix(*values: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-INITS = ("paper", "bgd", "keep")
+INITS = ("paper", "bgd", "alpha", "keep")
 
 
 class FOOVB(torch.optim.Optimizer):
@@ -70,6 +70,10 @@ class FOOVB(torch.optim.Optimizer):
         init: "paper" initialises the means as in the paper's appendix (Linear/Conv weights
             N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "bgd" is "paper" with
             the biases of the authors' BGD code, N(0, 2 / (1 + fan_out)) (the appendix does not state them);
+            "alpha" gives the diagonal and full families the matrix-variate initialisation of the appendix,
+            per Linear/Conv layer with fan-in n_in: means (weights and biases) N(0, 2 alpha / (n_in + 2)) and
+            prior std sqrt(2 (1 - alpha) / (n_in + 2)) in place of std_init, so that the step sigma^2 E[g]
+            changes every layer's outputs by the same order (an extension; for "kronecker" it is "paper");
             "keep" uses the model's current parameters as the prior mean.
         antithetic: draw the Monte Carlo samples in antithetic pairs (eps, -eps) (needs an even mc_samples).
             The estimates of E[g] and E[g eps^T] stay unbiased, and the part of the noise that is linear in
@@ -135,9 +139,12 @@ class FOOVB(torch.optim.Optimizer):
         self.sample_shard = range(mc_samples)
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
-        if init != "keep" and posterior != "kronecker":
+        layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
+        if init == "alpha" and posterior != "kronecker":
+            layer_std = self._alpha_init(model, alpha)
+        elif init != "keep" and posterior != "kronecker":
             self._paper_init(model, random_bias=init == "bgd")
-        self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params)
+        self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params, layer_std)
         self._numel = sum(b.state["mean"].numel() for b in self.blocks)
         self.load_mean_into_model()
 
@@ -162,8 +169,23 @@ class FOOVB(torch.optim.Optimizer):
                     else:
                         module.bias.zero_()
 
+    @torch.no_grad()
+    def _alpha_init(self, model: nn.Module, alpha: float) -> dict[int, float]:
+        """The matrix-variate split of Var(W_ij) = 2 / (n_in + 2) (Implementation details) for any family:
+        draws the means, returns each layer's prior std."""
+        layer_std = {}
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.requires_grad:
+                fan_in = module.weight[0].numel()
+                mean_std = math.sqrt(2 * alpha / (fan_in + 2))
+                for param in (module.weight, module.bias):
+                    if param is not None and param.requires_grad:
+                        param.copy_(torch.randn(param.shape, generator=self.generator) * mean_std)
+                layer_std[id(module)] = math.sqrt(2 * (1 - alpha) / (fan_in + 2))
+        return layer_std
+
     def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
-                     max_full_params: int) -> list[PosteriorBlock]:
+                     max_full_params: int, layer_std: dict[int, float]) -> list[PosteriorBlock]:
         blocks: list[PosteriorBlock] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
@@ -174,6 +196,7 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
                                  "not supported: each parameter needs one posterior)")
             seen.update(id(p) for p in direct)
+            module_std = layer_std.get(id(module), std_init)
             if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
                     and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
                 if module.bias is not None and not module.bias.requires_grad:
@@ -189,9 +212,9 @@ class FOOVB(torch.optim.Optimizer):
                         f"max_full_params={max_full_params}; use posterior='kronecker' or 'diagonal', or "
                         "raise max_full_params"
                     )
-                blocks.append(FullBlock(direct, self.state[direct[0]], std_init, module))
+                blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], std_init, module) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ class KroneckerBlock(PosteriorBlock):
         self.has_bias = module.bias is not None
         n = self.in_features + int(self.has_bias)
         if not state:
-            if init != "keep":  # "paper" and "bgd": the bias is a column of the mean matrix here
+            if init != "keep":  # "paper", "bgd", "alpha": the bias is a column of the mean matrix here
                 # Implementation details: M_ij ~ N(0, 2 alpha / (n_in + 2)); diagonal factors with
                 # (A_ii B_jj)^2 = 2 (1 - alpha) / (n_in + 2), so that Var(W_ij) = 2 / (n_in + 2).
                 mean = torch.randn(self.out_features, n, generator=generator, dtype=weight.dtype)

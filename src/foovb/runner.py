@@ -286,7 +286,8 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
                                    plot_dir / f"accuracy_matrix_{mode}.png")
     if stds:
         params = config.learner.params
-        diagonal = config.learner.kind == "foovb" and params.get("posterior", "diagonal") == "diagonal"
+        diagonal = (config.learner.kind == "foovb" and params.get("posterior", "diagonal") == "diagonal"
+                    and params.get("init", "paper") != "alpha")  # "alpha": one initial std per layer
         plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
                                   initial_std=params.get("std_init", 0.047) if diagonal else None)
     if hasattr(scenario, "task_probabilities"):
