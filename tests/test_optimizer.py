@@ -823,6 +823,41 @@ def test_diagonal_sigma_monotone_in_curvature(sign):
         previous = std
 
 
+def test_shrink_only_takes_lemma1_root_whatever_the_curvature_sign():
+    """shrink_only: sigma <- sigma h(|sigma E[g eps]|). Flipping the sign of a quadratic loss flips E[g eps]
+    exactly (same noise), so the std after one step is the same for L and -L, below the prior, and equal to
+    the paper's formula on the convex side; without shrink_only the concave side grows."""
+    results = {}
+    for shrink_only in (False, True):
+        for sign in (1.0, -1.0):
+            lin, opt, sigma, c, h = _diag_quadratic(5, 10, seed=52)
+            opt.blocks[0].shrink_only = shrink_only
+            opt.step(quadratic_closure(lin.weight, c, h, sign))
+            results[shrink_only, sign] = opt.posterior(lin.weight).std.clone()
+    torch.testing.assert_close(results[True, 1.0], results[True, -1.0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(results[True, 1.0], results[False, 1.0], rtol=1e-12, atol=0)
+    assert bool((results[True, -1.0] < sigma).all())
+    assert bool((results[False, -1.0] > sigma).all())
+
+
+def test_shrink_only_diagonal_equals_full_family_on_one_weight():
+    """For a single weight the full family's Lemma 1 solution is the diagonal update with shrink_only, on a
+    loss with negative curvature too (the paper's diagonal closed form grows sigma there)."""
+    stds = {}
+    for family, shrink_only in (("full", False), ("diagonal", True), ("diagonal", False)):
+        lin = nn.Linear(1, 1, bias=False).double()
+        with torch.no_grad():
+            lin.weight.fill_(0.3)
+        opt = FOOVB(lin, family, 6, init="keep", std_init=0.4, shrink_only=shrink_only, seed=3)
+        closure = quadratic_closure(lin.weight, torch.full((1, 1), 0.1, dtype=F64),
+                                    torch.full((1, 1), 2.0, dtype=F64), sign=-1.0)
+        for _ in range(3):
+            opt.step(closure)
+        stds[family, shrink_only] = opt.posterior(lin.weight).std
+    torch.testing.assert_close(stds["diagonal", True], stds["full", False], rtol=1e-10, atol=0)
+    assert stds["full", False].item() < 0.4 < stds["diagonal", False].item()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Initialisation (paper appendix "Implementation details")
 # ---------------------------------------------------------------------------------------------------------

@@ -81,6 +81,11 @@ class FOOVB(torch.optim.Optimizer):
             free of the gradient at the mean, usually the largest noise term. It matters most for the matrix
             families, whose covariance that noise only shrinks (an extension; the paper draws the samples
             independently).
+        shrink_only: for the diagonal family, take the root of the fixed-point equation that Lemma 1's solution
+            takes for the matrix families, sigma <- sigma h(|sigma E[g eps]|) with h(s) = sqrt(1 + s^2/4) - s/2,
+            so that sigma never grows. The paper's closed form (False) raises sigma where E[g eps] < 0, and a
+            noisy negative estimate early in training can inflate sigma, and with it the step sigma^2 E[g],
+            by orders of magnitude in one step (an extension; the matrix families never grow either way).
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
@@ -98,6 +103,7 @@ class FOOVB(torch.optim.Optimizer):
         init: str = "paper",
         max_full_params: int = 4096,
         antithetic: bool = False,
+        shrink_only: bool = False,
         seed: int | None = None,
     ):
         if not isinstance(model, nn.Module):
@@ -124,13 +130,15 @@ class FOOVB(torch.optim.Optimizer):
         if not params:
             raise ValueError("model has no trainable parameters")
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
-                        mean_step=mean_step, loss_reduction=loss_reduction, antithetic=antithetic)
+                        mean_step=mean_step, loss_reduction=loss_reduction, antithetic=antithetic,
+                        shrink_only=shrink_only)
         super().__init__(params, defaults)
         self.model = model
         self._mc_samples = mc_samples
         self.mean_step = mean_step
         self.loss_reduction = loss_reduction
         self.antithetic = antithetic
+        self.shrink_only = shrink_only
         self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
@@ -214,7 +222,7 @@ class FOOVB(torch.optim.Optimizer):
                     )
                 blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.shrink_only) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .linalg import LowRank, sqrt_covariance_update
+from .linalg import LowRank, root_scale, sqrt_covariance_update
 
 __all__ = [
     "PosteriorBlock",
@@ -99,8 +99,10 @@ class DiagonalBlock(PosteriorBlock):
 
     family = "diagonal"
 
-    def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None):
+    def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
+                 shrink_only: bool = False):
         super().__init__([param], state, module)
+        self.shrink_only = shrink_only
         if not state:
             state["mean"] = param.detach().clone()
             state["std"] = torch.full_like(param, std_init)
@@ -128,7 +130,10 @@ class DiagonalBlock(PosteriorBlock):
         grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
         # mu <- mu - sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma E[g eps] / 2)^2) - sigma^2 E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
-        std.mul_(signed_root_scale(std * grad_noise_mean))
+        if self.shrink_only:  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
+            std.mul_(root_scale((std * grad_noise_mean).abs()))
+        else:
+            std.mul_(signed_root_scale(std * grad_noise_mean))
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
