@@ -560,6 +560,7 @@ BAD_KWARGS = [
     ("init", {"init": "xavier"}),
     ("max_full_params", {"max_full_params": 0}),
     ("antithetic", {"mc_samples": 3, "antithetic": True}),
+    ("std_growth", {"std_growth": True}),
 ]
 
 
@@ -823,39 +824,43 @@ def test_diagonal_sigma_monotone_in_curvature(sign):
         previous = std
 
 
-def test_shrink_only_takes_lemma1_root_whatever_the_curvature_sign():
-    """shrink_only: sigma <- sigma h(|sigma E[g eps]|). Flipping the sign of a quadratic loss flips E[g eps]
-    exactly (same noise), so the std after one step is the same for L and -L, below the prior, and equal to
-    the paper's formula on the convex side; without shrink_only the concave side grows."""
+def test_std_growth_none_takes_lemma1_root_and_capped_stops_at_the_prior():
+    """std_growth="none": sigma <- sigma h(|sigma E[g eps]|). Flipping the sign of a quadratic loss flips E[g eps]
+    exactly (same noise), so the std after one step is the same for L and -L, below the prior, and equal to the
+    paper's formula on the convex side. "paper" grows sigma on the concave side; "capped" stops it at std_init."""
     results = {}
-    for shrink_only in (False, True):
+    for growth in ("paper", "capped", "none"):
         for sign in (1.0, -1.0):
             lin, opt, sigma, c, h = _diag_quadratic(5, 10, seed=52)
-            opt.blocks[0].shrink_only = shrink_only
+            opt.blocks[0].std_growth = growth
+            opt.blocks[0].std_init = 0.7  # the cap; the prior stds lie in [0.2, 1.2]
             opt.step(quadratic_closure(lin.weight, c, h, sign))
-            results[shrink_only, sign] = opt.posterior(lin.weight).std.clone()
-    torch.testing.assert_close(results[True, 1.0], results[True, -1.0], rtol=1e-12, atol=0)
-    torch.testing.assert_close(results[True, 1.0], results[False, 1.0], rtol=1e-12, atol=0)
-    assert bool((results[True, -1.0] < sigma).all())
-    assert bool((results[False, -1.0] > sigma).all())
+            results[growth, sign] = opt.posterior(lin.weight).std.clone()
+    torch.testing.assert_close(results["none", 1.0], results["none", -1.0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(results["none", 1.0], results["paper", 1.0], rtol=1e-12, atol=0)
+    assert bool((results["none", -1.0] < sigma).all())
+    assert bool((results["paper", -1.0] > sigma).all())
+    torch.testing.assert_close(results["capped", -1.0], results["paper", -1.0].clamp(max=0.7), rtol=1e-12, atol=0)
+    assert bool((results["capped", -1.0] < results["paper", -1.0]).any())  # the cap bound somewhere
+    torch.testing.assert_close(results["capped", 1.0], results["paper", 1.0].clamp(max=0.7), rtol=1e-12, atol=0)
 
 
-def test_shrink_only_diagonal_equals_full_family_on_one_weight():
-    """For a single weight the full family's Lemma 1 solution is the diagonal update with shrink_only, on a
-    loss with negative curvature too (the paper's diagonal closed form grows sigma there)."""
+def test_std_growth_none_diagonal_equals_full_family_on_one_weight():
+    """For a single weight the full family's Lemma 1 solution is the diagonal update with std_growth="none",
+    on a loss with negative curvature too (the paper's diagonal closed form grows sigma there)."""
     stds = {}
-    for family, shrink_only in (("full", False), ("diagonal", True), ("diagonal", False)):
+    for family, growth in (("full", "paper"), ("diagonal", "none"), ("diagonal", "paper")):
         lin = nn.Linear(1, 1, bias=False).double()
         with torch.no_grad():
             lin.weight.fill_(0.3)
-        opt = FOOVB(lin, family, 6, init="keep", std_init=0.4, shrink_only=shrink_only, seed=3)
+        opt = FOOVB(lin, family, 6, init="keep", std_init=0.4, std_growth=growth, seed=3)
         closure = quadratic_closure(lin.weight, torch.full((1, 1), 0.1, dtype=F64),
                                     torch.full((1, 1), 2.0, dtype=F64), sign=-1.0)
         for _ in range(3):
             opt.step(closure)
-        stds[family, shrink_only] = opt.posterior(lin.weight).std
-    torch.testing.assert_close(stds["diagonal", True], stds["full", False], rtol=1e-10, atol=0)
-    assert stds["full", False].item() < 0.4 < stds["diagonal", False].item()
+        stds[family, growth] = opt.posterior(lin.weight).std
+    torch.testing.assert_close(stds["diagonal", "none"], stds["full", "paper"], rtol=1e-10, atol=0)
+    assert stds["full", "paper"].item() < 0.4 < stds["diagonal", "paper"].item()
 
 
 # ---------------------------------------------------------------------------------------------------------

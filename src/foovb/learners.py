@@ -43,7 +43,7 @@ class FOOVBLearner:
         num_heads, classes_per_head: multi-head (task-aware) models.
         init: initialisation of the posterior ("paper", "bgd", "alpha" or "keep"): see `FOOVB`.
         antithetic: draw the Monte Carlo samples in antithetic pairs: see `FOOVB`.
-        shrink_only: diagonal family with Lemma 1's root (sigma never grows): see `FOOVB`.
+        std_growth: whether the diagonal family's sigma may grow ("paper", "capped", "none"): see `FOOVB`.
         seed: seed of the optimizer's noise and initialisation.
     """
 
@@ -52,13 +52,13 @@ class FOOVBLearner:
     def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10,
                  std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, eval_samples: int = 10,
                  batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
-                 classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, shrink_only: bool = False,
+                 classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
                  seed: int = 0):
         if eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {eval_samples}")
         self.model = model
         self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
-                               loss_reduction="sum", init=init, antithetic=antithetic, shrink_only=shrink_only,
+                               loss_reduction="sum", init=init, antithetic=antithetic, std_growth=std_growth,
                                seed=seed)
         self.eval_samples = eval_samples
         self.batched = batched

@@ -48,6 +48,7 @@ def _mix(*values: int) -> int:
 
 
 INITS = ("paper", "bgd", "alpha", "keep")
+STD_GROWTH = ("paper", "capped", "none")
 
 
 class FOOVB(torch.optim.Optimizer):
@@ -81,11 +82,13 @@ class FOOVB(torch.optim.Optimizer):
             free of the gradient at the mean, usually the largest noise term. It matters most for the matrix
             families, whose covariance that noise only shrinks (an extension; the paper draws the samples
             independently).
-        shrink_only: for the diagonal family, take the root of the fixed-point equation that Lemma 1's solution
-            takes for the matrix families, sigma <- sigma h(|sigma E[g eps]|) with h(s) = sqrt(1 + s^2/4) - s/2,
-            so that sigma never grows. The paper's closed form (False) raises sigma where E[g eps] < 0, and a
-            noisy negative estimate early in training can inflate sigma, and with it the step sigma^2 E[g],
-            by orders of magnitude in one step (an extension; the matrix families never grow either way).
+        std_growth: how the diagonal family's sigma may grow (the matrix families never grow: Lemma 1).
+            "paper": the closed form of Eq. "diagonal implicit solution", which raises sigma where
+            E[g eps] < 0; a noisy negative estimate early in training can inflate sigma, and with it the step
+            sigma^2 E[g], by orders of magnitude in one step. "capped": the same, but never above the
+            initial std. "none": the root that Lemma 1's solution takes for the matrix families,
+            sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so sigma never grows.
+            "capped" and "none" are extensions.
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
@@ -103,7 +106,7 @@ class FOOVB(torch.optim.Optimizer):
         init: str = "paper",
         max_full_params: int = 4096,
         antithetic: bool = False,
-        shrink_only: bool = False,
+        std_growth: str = "paper",
         seed: int | None = None,
     ):
         if not isinstance(model, nn.Module):
@@ -124,6 +127,8 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"init must be one of {INITS}, got {init!r}")
         if antithetic and mc_samples % 2:
             raise ValueError(f"antithetic sampling pairs the samples: mc_samples must be even, got {mc_samples}")
+        if std_growth not in STD_GROWTH:
+            raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
         if max_full_params < 1:
             raise ValueError(f"max_full_params must be positive, got {max_full_params!r}")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -131,14 +136,14 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError("model has no trainable parameters")
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
                         mean_step=mean_step, loss_reduction=loss_reduction, antithetic=antithetic,
-                        shrink_only=shrink_only)
+                        std_growth=std_growth)
         super().__init__(params, defaults)
         self.model = model
         self._mc_samples = mc_samples
         self.mean_step = mean_step
         self.loss_reduction = loss_reduction
         self.antithetic = antithetic
-        self.shrink_only = shrink_only
+        self.std_growth = std_growth
         self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
@@ -222,7 +227,7 @@ class FOOVB(torch.optim.Optimizer):
                     )
                 blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.shrink_only) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------

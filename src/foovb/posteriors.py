@@ -100,9 +100,10 @@ class DiagonalBlock(PosteriorBlock):
     family = "diagonal"
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
-                 shrink_only: bool = False):
+                 std_growth: str = "paper"):
         super().__init__([param], state, module)
-        self.shrink_only = shrink_only
+        self.std_growth = std_growth
+        self.std_init = std_init
         if not state:
             state["mean"] = param.detach().clone()
             state["std"] = torch.full_like(param, std_init)
@@ -130,10 +131,12 @@ class DiagonalBlock(PosteriorBlock):
         grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
         # mu <- mu - sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma E[g eps] / 2)^2) - sigma^2 E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
-        if self.shrink_only:  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
+        if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale((std * grad_noise_mean).abs()))
         else:
             std.mul_(signed_root_scale(std * grad_noise_mean))
+            if self.std_growth == "capped":  # never wider than the initial prior
+                std.clamp_(max=self.std_init)
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
