@@ -904,15 +904,16 @@ def test_alpha_init_matches_the_matrix_variate_family(family):
     """init="alpha": per layer, means N(0, 2 alpha / (n_in + 2)) and the prior std of the matrix-variate
     family at initialisation, sqrt(2 (1 - alpha) / (n_in + 2)); parameters outside Linear/Conv keep std_init."""
     alpha = 0.3
-    sizes = ((400, 500), (32, 64)) if family == "diagonal" else ((30, 40), (4, 5))
-    model = nn.Sequential(nn.Linear(sizes[0][0], sizes[0][1]), nn.Conv2d(sizes[1][0], sizes[1][1], 3),
-                          nn.GroupNorm(1, sizes[1][1]))
+    (n_in0, n_out0), (c_in, c_out) = ((400, 500), (32, 64)) if family == "diagonal" else ((30, 40), (4, 5))
+
+    def layers():
+        return [nn.Linear(n_in0, n_out0), nn.Conv2d(c_in, c_out, 3)]
+
+    model = nn.Sequential(*layers(), nn.GroupNorm(1, c_out))
     opt = FOOVB(model, family, std_init=0.03, init="alpha", alpha=alpha, seed=0)
-    for module in model[:2]:
+    for module, twin in zip(model[:2], layers(), strict=True):
         n_in = module.weight[0].numel()
-        kronecker = FOOVB(type(module)(*sizes[0 if isinstance(module, nn.Linear) else 1],
-                                       *(() if isinstance(module, nn.Linear) else (3,))),
-                          "kronecker", alpha=alpha, seed=0)
+        kronecker = FOOVB(twin, "kronecker", alpha=alpha, seed=0)
         if family == "diagonal":  # enough draws for a distribution check
             _check_normal_sample(module.weight.detach(), math.sqrt(2 * alpha / (n_in + 2)))
         for index, p in enumerate((module.weight, module.bias)):

@@ -153,10 +153,11 @@ class FOOVB(torch.optim.Optimizer):
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
         layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
-        if init == "alpha" and posterior != "kronecker":
-            layer_std = self._alpha_init(model, alpha)
-        elif init != "keep" and posterior != "kronecker":
-            self._paper_init(model, random_bias=init == "bgd")
+        if posterior != "kronecker":  # the matrix-variate blocks initialise themselves
+            if init == "alpha":
+                layer_std = self._alpha_init(model, alpha)
+            elif init != "keep":
+                self._paper_init(model, random_bias=init == "bgd")
         self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params, layer_std)
         self._numel = sum(b.state["mean"].numel() for b in self.blocks)
         self.load_mean_into_model()
