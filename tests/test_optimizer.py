@@ -72,15 +72,16 @@ def randomize_factors(opt, gen, scale=0.3):
 # Algorithm 2-4 updates, reconstructed exactly from the sampled weights (any loss, any K)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mean_step", [1.0, 0.3])
-def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step):
+@pytest.mark.parametrize(("mean_step", "cov_step"), [(1.0, 1.0), (0.3, 1.0), (1.0, 0.25)])
+def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, cov_step):
     """Record theta_k and g_k in the closure, recover eps_k = A^-1 (theta_k - mu) and recompute the update
-    from the paper's formulas (Lemma 1 via `solve_fixed_point`): exact up to round-off, nonlinear loss."""
+    from the paper's formulas (Lemma 1 via `solve_fixed_point`): exact up to round-off, nonlinear loss.
+    mean_step and cov_step scale E[g] and E[g eps^T] (1 and 1 in the paper)."""
     model = mlp(seed=3, dtype=F64)
     x, y = mlp_batch()
     x = x.double()
     k_samples = 3
-    opt = FOOVB(model, family, k_samples, mean_step=mean_step, seed=11)
+    opt = FOOVB(model, family, k_samples, mean_step=mean_step, cov_step=cov_step, seed=11)
     randomize_factors(opt, make_generator(5))
     before = {id(b): {k: v.clone() for k, v in b.state.items()} for b in opt.blocks}
     records = []
@@ -103,7 +104,7 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step):
             mu, sigma = old["mean"], old["std"]
             eps = [(t[0] - mu) / sigma for t in thetas]
             e1 = sum(g[0] for g in grads) / k_samples
-            e2 = sum(g[0] * e for g, e in zip(grads, eps, strict=True)) / k_samples
+            e2 = cov_step * sum(g[0] * e for g, e in zip(grads, eps, strict=True)) / k_samples
             torch.testing.assert_close(new["mean"], mu - mean_step * sigma**2 * e1, rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(new["std"], diag_formula(sigma, e2), rtol=1e-12, atol=1e-14)
         elif family == "full":
@@ -112,7 +113,7 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step):
             g = [torch.cat([t.flatten() for t in gr]) for gr in grads]
             eps = [torch.linalg.solve(a, f - mu) for f in flat]
             e1 = sum(g) / k_samples
-            e2 = sum(torch.outer(gk, ek) for gk, ek in zip(g, eps, strict=True)) / k_samples  # E[g eps^T]
+            e2 = cov_step * sum(torch.outer(gk, ek) for gk, ek in zip(g, eps, strict=True)) / k_samples  # E[g eps^T]
             cov = a @ a.T
             x_new = solve_fixed_point(cov, e2)
             torch.testing.assert_close(new["mean"], mu - mean_step * cov @ e1, rtol=1e-11, atol=1e-13)
@@ -125,8 +126,8 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step):
             psi = [torch.cat([gr[0], gr[1][:, None]], 1) for gr in grads]
             phi = [torch.linalg.solve(b, wk - m) @ torch.linalg.inv(a).T for wk in w]  # W = M + B Phi A^T
             e1 = sum(psi) / k_samples
-            e2 = sum(ps.T @ b @ ph for ps, ph in zip(psi, phi, strict=True)) / (p * k_samples)
-            e3 = sum(ps @ a @ ph.T for ps, ph in zip(psi, phi, strict=True)) / (n * k_samples)
+            e2 = cov_step * sum(ps.T @ b @ ph for ps, ph in zip(psi, phi, strict=True)) / (p * k_samples)
+            e3 = cov_step * sum(ps @ a @ ph.T for ps, ph in zip(psi, phi, strict=True)) / (n * k_samples)
             torch.testing.assert_close(new["mean"], m - mean_step * b @ b.T @ e1 @ a @ a.T, rtol=1e-11,
                                        atol=1e-13)
             x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
@@ -556,6 +557,8 @@ BAD_KWARGS = [
     ("mean_step", {"mean_step": 0.0}),
     ("mean_step", {"mean_step": -0.5}),
     ("mean_step", {"mean_step": float("inf")}),
+    ("cov_step", {"cov_step": 0.0}),
+    ("cov_step", {"cov_step": float("nan")}),
     ("loss_reduction", {"loss_reduction": "avg"}),
     ("init", {"init": "xavier"}),
     ("max_full_params", {"max_full_params": 0}),

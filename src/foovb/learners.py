@@ -36,7 +36,7 @@ class FOOVBLearner:
 
     Args:
         model: the network; trained in place (its parameters hold the posterior mean).
-        posterior, mc_samples, std_init, alpha, mean_step: see `FOOVB`.
+        posterior, mc_samples, std_init, alpha, mean_step, cov_step: see `FOOVB`.
         eval_samples: sampled networks used for the "bma" and "single" prediction modes (0: mean only).
         batched: evaluate the MC samples in one batched pass (`FOOVB.step_batched`) or sequentially.
         chunk_size: samples per batched pass (memory bound).
@@ -50,7 +50,8 @@ class FOOVBLearner:
     name = "foovb"
 
     def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10,
-                 std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, eval_samples: int = 10,
+                 std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0,
+                 eval_samples: int = 10,
                  batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
                  classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
                  seed: int = 0):
@@ -58,8 +59,8 @@ class FOOVBLearner:
             raise ValueError(f"eval_samples must be >= 0, got {eval_samples}")
         self.model = model
         self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
-                               loss_reduction="sum", init=init, antithetic=antithetic, std_growth=std_growth,
-                               seed=seed)
+                               cov_step=cov_step, loss_reduction="sum", init=init, antithetic=antithetic,
+                               std_growth=std_growth, seed=seed)
         self.eval_samples = eval_samples
         self.batched = batched
         self.chunk_size = chunk_size

@@ -67,6 +67,11 @@ class FOOVB(torch.optim.Optimizer):
             alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest.
         mean_step: multiplier eta of the mean update mu <- mu - eta Sigma E[g]. The paper uses 1;
             other values are an extension.
+        cov_step: multiplier beta of E[g eps^T] in the covariance update (Lemma 1; for the diagonal family
+            sigma <- sigma sqrt(1 + (beta sigma E[g eps] / 2)^2) - beta sigma^2 E[g eps] / 2): the fixed point
+            of the covariance for the likelihood raised to the power beta, the mean update unchanged. The paper
+            uses 1. With E passes over the same data (epochs), beta = 1/E counts each example once in the
+            posterior's precision instead of E times (an extension).
         loss_reduction: "sum" (the closure returns the summed NLL of the batch, the paper's L_n) or "mean".
         init: "paper" initialises the means as in the paper's appendix (Linear/Conv weights
             N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "bgd" is "paper" with
@@ -102,6 +107,7 @@ class FOOVB(torch.optim.Optimizer):
         std_init: float = 0.047,
         alpha: float = 0.5,
         mean_step: float = 1.0,
+        cov_step: float = 1.0,
         loss_reduction: str = "sum",
         init: str = "paper",
         max_full_params: int = 4096,
@@ -121,6 +127,8 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
         if not (math.isfinite(mean_step) and mean_step > 0):
             raise ValueError(f"mean_step must be positive and finite, got {mean_step!r}")
+        if not (math.isfinite(cov_step) and cov_step > 0):
+            raise ValueError(f"cov_step must be positive and finite, got {cov_step!r}")
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         if init not in INITS:
@@ -135,12 +143,13 @@ class FOOVB(torch.optim.Optimizer):
         if not params:
             raise ValueError("model has no trainable parameters")
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
-                        mean_step=mean_step, loss_reduction=loss_reduction, antithetic=antithetic,
+                        mean_step=mean_step, cov_step=cov_step, loss_reduction=loss_reduction, antithetic=antithetic,
                         std_growth=std_growth)
         super().__init__(params, defaults)
         self.model = model
         self._mc_samples = mc_samples
         self.mean_step = mean_step
+        self.cov_step = cov_step
         self.loss_reduction = loss_reduction
         self.antithetic = antithetic
         self.std_growth = std_growth
@@ -405,7 +414,7 @@ class FOOVB(torch.optim.Optimizer):
             raise FloatingPointError(
                 f"non-finite values in {where} at step {self.steps_taken}; the posterior was left unchanged")
         for block in self.blocks:
-            block.update(stats[block], num_samples, self.mean_step)
+            block.update(stats[block], num_samples, self.mean_step, self.cov_step)
         self.load_mean_into_model()
         self.steps_taken += 1
         return sum(losses) / len(losses)

@@ -81,8 +81,9 @@ class PosteriorBlock(ABC):
         """Add K samples' contributions; grads[i] is (K, *params[i].shape), the gradient of L_n at theta_k."""
 
     @abstractmethod
-    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
-        """UPDATE: one fixed-point iteration from the sums over num_samples draws."""
+    def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
+        """UPDATE: one fixed-point iteration from the sums over num_samples draws; mean_step scales E[g] in
+        the mean update, cov_step scales E[g eps^T] in the covariance update (1 and 1 in the paper)."""
 
     # -- the posterior -------------------------------------------------------------------------------------
     @abstractmethod
@@ -125,10 +126,10 @@ class DiagonalBlock(PosteriorBlock):
         for grad_k, noise_k in zip(grad, noise, strict=True):  # in place: much faster than einsum here
             stats["grad_noise_sum"].addcmul_(grad_k, noise_k)
 
-    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+    def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
         grad_mean = stats["grad_sum"] / num_samples  # E1
-        grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
+        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # E2
         # mu <- mu - sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma E[g eps] / 2)^2) - sigma^2 E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
         if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
@@ -221,12 +222,12 @@ class KroneckerBlock(PosteriorBlock):
         for psi_a_k, noise_k in zip(psi @ a, noise, strict=True):
             stats["psi_a_phi"].addmm_(psi_a_k, noise_k.T)
 
-    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+    def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a, b, mean = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"], self.state["mean"]
         p, n = mean.shape
         e1 = stats["psi_sum"] / num_samples
-        e2 = stats["psi_b_phi"].scaled(1.0 / (p * num_samples))  # mean (1/p) Psi^T B Phi
-        e3 = LowRank(dense=stats["psi_a_phi"] / (n * num_samples))  # mean (1/n) Psi A Phi^T
+        e2 = stats["psi_b_phi"].scaled(cov_step / (p * num_samples))  # mean (1/p) Psi^T B Phi
+        e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))  # mean (1/n) Psi A Phi^T
         # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemma 1)
         mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
         self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
@@ -285,11 +286,11 @@ class FullBlock(PosteriorBlock):
         stats["grad_sum"] += flat.sum(0)
         stats["grad_noise"].add(flat, noise)  # sum_k g_k eps_k^T
 
-    def update(self, stats: dict, num_samples: int, mean_step: float) -> None:
+    def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a = self.state["sqrt_cov"]
         # mu <- mu - A A^T E1;  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemma 1)
         self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
-        self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(1.0 / num_samples))
+        self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
