@@ -321,16 +321,17 @@ def regression():
     return _regression_data(BATCHES)
 
 
-def _run_regression(x, y, batched, batches=BATCHES, k_samples=K_BAYES, antithetic=False):
+def _run_regression(x, y, batched, batches=BATCHES, k_samples=K_BAYES, antithetic=False, passes=1, cov_step=1.0):
     lin = nn.Linear(D, 1, bias=False).double()
     with torch.no_grad():
         lin.weight.zero_()  # prior mean 0
-    opt = FOOVB(lin, "full", k_samples, std_init=math.sqrt(V0), init="keep", seed=7, antithetic=antithetic)
+    opt = FOOVB(lin, "full", k_samples, std_init=math.sqrt(V0), init="keep", seed=7, antithetic=antithetic,
+                cov_step=cov_step)
 
     def nll(out, t):  # sum_i (y_i - x_i^T w)^2 / (2 s2), the batch's summed Gaussian NLL
         return ((t - out.squeeze(-1)) ** 2).sum() / (2 * S2)
 
-    for i in range(batches):
+    for i in [i for _ in range(passes) for i in range(batches)]:
         xb, yb = x[i * ROWS : (i + 1) * ROWS], y[i * ROWS : (i + 1) * ROWS]
         if batched:
             opt.step_batched(xb, yb, nll)
@@ -360,6 +361,23 @@ def test_antithetic_pairs_remove_most_of_the_monte_carlo_bias_on_exact_bayes():
         gaps[antithetic] = rel_mean, rel_cov
     assert gaps[False][1] > 0.5 and gaps[True][1] < 0.15, gaps
     assert gaps[True][0] < 0.04 < gaps[False][0], gaps
+
+
+def test_cov_step_one_over_passes_counts_each_example_once():
+    """E passes over the same batches add the data's precision E times: with cov_step = 1 the covariance ends
+    near the exact posterior of the data counted E times (trace ~ 1/E of the one-pass posterior's); with
+    cov_step = 1/E it ends near the exact one-pass posterior (measured: 4.5% Frobenius gap, trace ratio 0.97;
+    0.25 with cov_step = 1)."""
+    x, y, _, cov_post = _regression_data(BATCHES)
+    passes = 4
+    traces = {}
+    for cov_step in (1.0, 1.0 / passes):
+        _, cov = _run_regression(x, y, True, k_samples=16, antithetic=True, passes=passes, cov_step=cov_step)
+        traces[cov_step] = (torch.trace(cov) / torch.trace(cov_post)).item()
+        gap = (torch.linalg.norm(cov - cov_post) / torch.linalg.norm(cov_post)).item()
+        if cov_step < 1:
+            assert gap < 0.12, gap
+    assert 0.2 < traces[1.0] < 0.35 and 0.85 < traces[1.0 / passes] < 1.15, traces
 
 
 def _exact_expectation_recursion(x, y):
