@@ -51,8 +51,7 @@ class FOOVBLearner:
 
     def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10,
                  std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0,
-                 eval_samples: int = 10,
-                 batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
+                 eval_samples: int = 10, batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
                  classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
                  seed: int = 0):
         if eval_samples < 0:
