@@ -125,10 +125,9 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"std_init must be positive and finite, got {std_init!r}")
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        if not (math.isfinite(mean_step) and mean_step > 0):
-            raise ValueError(f"mean_step must be positive and finite, got {mean_step!r}")
-        if not (math.isfinite(cov_step) and cov_step > 0):
-            raise ValueError(f"cov_step must be positive and finite, got {cov_step!r}")
+        for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
+            if not (math.isfinite(step) and step > 0):
+                raise ValueError(f"{name} must be positive and finite, got {step!r}")
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         if init not in INITS:

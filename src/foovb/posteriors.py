@@ -129,8 +129,8 @@ class DiagonalBlock(PosteriorBlock):
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
         grad_mean = stats["grad_sum"] / num_samples  # E1
-        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # E2
-        # mu <- mu - sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma E[g eps] / 2)^2) - sigma^2 E[g eps] / 2
+        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # beta E2
+        # mu <- mu - eta sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
         if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale((std * grad_noise_mean).abs()))
