@@ -135,6 +135,13 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
                  "--plot-modes", "mean"]) == 0
     assert sorted(drawn) == sorted([f"{run_dir.name} (mean)", "sgd (mean)"])
     assert len((tmp_path / "cmp2" / "compare.csv").read_text().splitlines()) == 1 + 3 + 1  # table: every mode
+    drawn.clear()
+    assert main(["compare", str(run_dir), str(tmp_path / "sgd"), "--out", str(tmp_path / "cmp3"),
+                 "--plot-runs", "sgd"]) == 0
+    assert drawn == ["sgd (mean)"]
+    assert len((tmp_path / "cmp3" / "compare.csv").read_text().splitlines()) == 1 + 3 + 1  # table: every run
+    assert main(["compare", str(run_dir), "--out", str(tmp_path / "cmp4"), "--plot-runs", "sgd"]) == 2
+    assert "--plot-runs" in capsys.readouterr().err
 
 
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:

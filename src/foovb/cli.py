@@ -35,6 +35,12 @@ def _compare(args: argparse.Namespace) -> int:
     from .runner import load_run
 
     runs = [load_run(d) for d in args.run_dirs]
+    names = [r["dir"].name for r in runs]
+    unknown = sorted(set(args.plot_runs or []) - set(names))
+    if unknown:
+        print(f"foovb: error: --plot-runs: {unknown} not among the compared runs {names}",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = ["run", "learner", "scenario", "tasks", "iterations", "mc_samples", "mode", "average_accuracy",
@@ -52,7 +58,8 @@ def _compare(args: argparse.Namespace) -> int:
                          f"{entry['average_accuracy']:.4f}", f"{entry['first_task_accuracy']:.4f}",
                          f"{entry.get('forgetting', float('nan')):.4f}", f"{s['train_seconds'] / 60:.1f}",
                          f"{s['seconds_per_iteration'] * 1e3:.2f}"])
-            if args.plot_modes is None or mode in args.plot_modes:
+            drawn_run = args.plot_runs is None or r["dir"].name in args.plot_runs
+            if drawn_run and (args.plot_modes is None or mode in args.plot_modes):
                 average_curves[label] = (stages, entry["average_accuracy_curve"])
                 first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
     with open(out / "compare.csv", "w", newline="") as f:
@@ -86,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--plot-modes", nargs="+", choices=ACCURACY_MODES, metavar="MODE",
                        help=f"prediction modes drawn in the plots (of {', '.join(ACCURACY_MODES)}; default all); "
                             "the table always has every mode")
+    p_cmp.add_argument("--plot-runs", nargs="+", metavar="NAME",
+                       help="run directory names drawn in the plots (default all); the table always has every run")
     p_cmp.set_defaults(func=_compare)
     args = parser.parse_args(argv)
     try:
