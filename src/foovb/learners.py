@@ -44,6 +44,7 @@ class FOOVBLearner:
         init: initialisation of the posterior ("paper", "bgd", "alpha" or "keep"): see `FOOVB`.
         antithetic: draw the Monte Carlo samples in antithetic pairs: see `FOOVB`.
         std_growth: whether the diagonal family's sigma may grow ("paper", "capped", "none"): see `FOOVB`.
+        cov_momentum: average of the diagonal family's E[g eps] over steps for its sigma update: see `FOOVB`.
         seed: seed of the optimizer's noise and initialisation.
     """
 
@@ -53,13 +54,13 @@ class FOOVBLearner:
                  std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0,
                  eval_samples: int = 10, batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
                  classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
-                 seed: int = 0):
+                 cov_momentum: float = 0.0, seed: int = 0):
         if eval_samples < 0:
             raise ValueError(f"eval_samples must be >= 0, got {eval_samples}")
         self.model = model
         self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
                                cov_step=cov_step, loss_reduction="sum", init=init, antithetic=antithetic,
-                               std_growth=std_growth, seed=seed)
+                               std_growth=std_growth, cov_momentum=cov_momentum, seed=seed)
         self.eval_samples = eval_samples
         self.batched = batched
         self.chunk_size = chunk_size

@@ -94,6 +94,13 @@ class FOOVB(torch.optim.Optimizer):
             initial std. "none": the root that Lemma 1's solution takes for the matrix families,
             sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so sigma never grows.
             "capped" and "none" are extensions.
+        cov_momentum: rho in [0, 1). With rho > 0 the diagonal family's sigma update uses an exponential moving
+            average over steps of its E[g eps] estimates, m <- rho m + (1 - rho) E[g eps] (started at the first
+            estimate), in place of the current one; the mean update is unchanged. Each step's estimate from K
+            samples is noisy (with antithetic pairs, mostly the other weights' curvature: sum_j H_ij eps_i eps_j),
+            and the Lemma 1 root ("none") shrinks sigma by |sigma E[g eps]|, so that noise alone shrinks sigma;
+            the average over about 1 / (1 - rho) steps, while sigma moves little, leaves less of it. 0 is the
+            paper (an extension; applies to diagonal blocks, including the other families' fallback tensors).
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
@@ -113,6 +120,7 @@ class FOOVB(torch.optim.Optimizer):
         max_full_params: int = 4096,
         antithetic: bool = False,
         std_growth: str = "paper",
+        cov_momentum: float = 0.0,
         seed: int | None = None,
     ):
         if not isinstance(model, nn.Module):
@@ -136,6 +144,8 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"antithetic sampling pairs the samples: mc_samples must be even, got {mc_samples}")
         if std_growth not in STD_GROWTH:
             raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
+        if not 0 <= cov_momentum < 1:
+            raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
         if max_full_params < 1:
             raise ValueError(f"max_full_params must be positive, got {max_full_params!r}")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -143,7 +153,7 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError("model has no trainable parameters")
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
                         mean_step=mean_step, cov_step=cov_step, loss_reduction=loss_reduction, antithetic=antithetic,
-                        std_growth=std_growth)
+                        std_growth=std_growth, cov_momentum=cov_momentum)
         super().__init__(params, defaults)
         self.model = model
         self._mc_samples = mc_samples
@@ -152,6 +162,7 @@ class FOOVB(torch.optim.Optimizer):
         self.loss_reduction = loss_reduction
         self.antithetic = antithetic
         self.std_growth = std_growth
+        self.cov_momentum = cov_momentum
         self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
@@ -236,7 +247,8 @@ class FOOVB(torch.optim.Optimizer):
                     )
                 blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth,
+                                            self.cov_momentum) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------

@@ -101,9 +101,10 @@ class DiagonalBlock(PosteriorBlock):
     family = "diagonal"
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
-                 std_growth: str = "paper"):
+                 std_growth: str = "paper", cov_momentum: float = 0.0):
         super().__init__([param], state, module)
         self.std_growth = std_growth
+        self.cov_momentum = cov_momentum
         self.std_init = std_init
         if not state:
             state["mean"] = param.detach().clone()
@@ -129,7 +130,14 @@ class DiagonalBlock(PosteriorBlock):
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
         grad_mean = stats["grad_sum"] / num_samples  # E1
-        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # beta E2
+        grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
+        if self.cov_momentum:  # E2 averaged over steps, m <- rho m + (1 - rho) E2, started at the first E2
+            average = self.state.get("grad_noise_average")
+            if average is None:
+                self.state["grad_noise_average"] = grad_noise_mean
+            else:
+                grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
+        grad_noise_mean = cov_step * grad_noise_mean  # beta E2
         # mu <- mu - eta sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
         if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
