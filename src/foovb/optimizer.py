@@ -99,8 +99,9 @@ class FOOVB(torch.optim.Optimizer):
             estimate), in place of the current one; the mean update is unchanged. Each step's estimate from K
             samples is noisy (with antithetic pairs, mostly the other weights' curvature: sum_j H_ij eps_i eps_j),
             and the Lemma 1 root ("none") shrinks sigma by |sigma E[g eps]|, so that noise alone shrinks sigma;
-            the average over about 1 / (1 - rho) steps, while sigma moves little, leaves less of it. 0 is the
-            paper (an extension; applies to diagonal blocks, including the other families' fallback tensors).
+            the average over about 1 / (1 - rho) steps, while sigma moves little, leaves less of it. On permuted
+            MNIST that hurt (README): there the noise-driven shrinkage acts as memory. 0 is the paper (an
+            extension; applies to diagonal blocks, including the other families' fallback tensors).
         max_full_params: largest block for the full family (its square root of the covariance is d x d).
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
