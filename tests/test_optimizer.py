@@ -253,7 +253,7 @@ def test_cov_momentum_averages_e_g_eps_over_steps():
         e2 = [sum(grad * (theta - mu) / sigma for theta, grad in (rec[i] for rec in records)) / k_samples
               for i, (mu, sigma) in enumerate(before)]
         average = e2 if average is None else [rho * m + (1 - rho) * e for m, e in zip(average, e2, strict=True)]
-        for block, (mu, sigma), m, i in zip(opt.blocks, before, average, range(len(e2)), strict=True):
+        for i, (block, (mu, sigma), m) in enumerate(zip(opt.blocks, before, average, strict=True)):
             e1 = sum(rec[i][1] for rec in records) / k_samples
             torch.testing.assert_close(block.state["mean"], mu - sigma**2 * e1, rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(block.state["std"], diag_formula(sigma, cov_step * m), rtol=1e-12,
