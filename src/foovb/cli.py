@@ -47,18 +47,18 @@ def _compare(args: argparse.Namespace) -> int:
               "first_task_accuracy", "forgetting", "train_minutes", "ms_per_iteration"]
     rows = []
     average_curves, first_curves = {}, {}
-    for r in runs:
+    for name, r in zip(names, runs, strict=True):
         s, config = r["summary"], r["config"]
         params = config["learner"]["params"]
         mc = params.get("mc_samples", 10) if config["learner"]["kind"] == "foovb" else "-"
         stages = [rec["stage"] + 1 for rec in r["records"]]
+        drawn_run = args.plot_runs is None or name in args.plot_runs
         for mode, entry in s["modes"].items():
-            label = f"{r['dir'].name} ({mode})"
-            rows.append([r["dir"].name, s["learner"], s["scenario"], s["num_tasks"], s["iterations"], mc, mode,
+            label = f"{name} ({mode})"
+            rows.append([name, s["learner"], s["scenario"], s["num_tasks"], s["iterations"], mc, mode,
                          f"{entry['average_accuracy']:.4f}", f"{entry['first_task_accuracy']:.4f}",
                          f"{entry.get('forgetting', float('nan')):.4f}", f"{s['train_seconds'] / 60:.1f}",
                          f"{s['seconds_per_iteration'] * 1e3:.2f}"])
-            drawn_run = args.plot_runs is None or r["dir"].name in args.plot_runs
             if drawn_run and (args.plot_modes is None or mode in args.plot_modes):
                 average_curves[label] = (stages, entry["average_accuracy_curve"])
                 first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])

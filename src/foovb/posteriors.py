@@ -130,14 +130,13 @@ class DiagonalBlock(PosteriorBlock):
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
         grad_mean = stats["grad_sum"] / num_samples  # E1
-        grad_noise_mean = stats["grad_noise_sum"] / num_samples  # E2
-        if self.cov_momentum:  # E2 averaged over steps, m <- rho m + (1 - rho) E2, started at the first E2
+        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # beta E2
+        if self.cov_momentum:  # beta E2 averaged over steps, m <- rho m + (1 - rho) beta E2, from the first one
             average = self.state.get("grad_noise_average")
             if average is None:
                 self.state["grad_noise_average"] = grad_noise_mean
             else:
                 grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
-        grad_noise_mean = cov_step * grad_noise_mean  # beta E2
         # mu <- mu - eta sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
         if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
