@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from foovb.plots import (
+    curve_styles,
     plot_accuracy_matrix,
     plot_average_accuracy,
     plot_first_task_accuracy,
@@ -25,6 +26,14 @@ def assert_png(path):
 def test_curve_plots_write_png(tmp_path):
     assert_png(plot_average_accuracy(CURVES, tmp_path / "average.png"))
     assert_png(plot_first_task_accuracy(CURVES, tmp_path / "nested" / "first.png"))
+
+
+@pytest.mark.parametrize("count", [1, 10, 11, 40])
+def test_curve_styles_are_distinct(count):
+    styles = curve_styles(count)
+    assert len(styles) == count
+    # no two curves share a colour and a dash pattern (tab10 colours, then the next dash pattern)
+    assert len({(style["color"], style["linestyle"]) for style in styles}) == count
 
 
 @pytest.mark.parametrize(

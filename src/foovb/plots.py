@@ -37,6 +37,18 @@ def _validated_curve(label: str, curve: Curve) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def curve_styles(count: int) -> list[dict[str, object]]:
+    """``count`` distinguishable line styles: the ten tab10 colours, then the same colours dashed with square
+    markers, then dotted with triangles, and so on (pale tab20 shades are hard to tell apart)."""
+    colors = matplotlib.colormaps["tab10"].colors
+    line_markers = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+    styles = []
+    for index in range(count):
+        linestyle, marker = line_markers[index // len(colors) % len(line_markers)]
+        styles.append({"color": colors[index % len(colors)], "linestyle": linestyle, "marker": marker})
+    return styles
+
+
 def _plot_curves(
     curves: Mapping[str, Curve], path: str | os.PathLike[str], title: str, xlabel: str, ylabel: str
 ) -> Path:
@@ -45,9 +57,8 @@ def _plot_curves(
     validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
     figure = Figure(figsize=(6.4 if len(validated) <= 4 else 9.0, 4.4))
     axes = figure.add_subplot()
-    colors = matplotlib.colormaps["tab10" if len(validated) <= 10 else "tab20"].colors
-    for index, (label, (x, y)) in enumerate(validated.items()):
-        axes.plot(x, y, marker="o", markersize=3, label=label, color=colors[index % len(colors)])
+    for (label, (x, y)), style in zip(validated.items(), curve_styles(len(validated)), strict=True):
+        axes.plot(x, y, markersize=3, label=label, **style)
     axes.set_title(title)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
