@@ -6,11 +6,13 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import yaml
 
 from foovb import plots
 from foovb.cli import main
 from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
-from foovb.runner import run
+from foovb.runner import resolve_device, run
 
 QUICK = {
     "name": "quick",
@@ -38,6 +40,8 @@ def quick(**changes) -> dict:
         ({"model.hidden": "[10, -1]"}, "model.hidden[1]"),
         ({"evaluation.test_subset": "true"}, "evaluation.test_subset"),
         ({"seed": -1}, "seed"),
+        ({"device": "gpu"}, "device"),
+        ({"device": "cuda:x"}, "device"),
         ({"scenario.eval_every": 5}, "scenario.eval_every"),
         ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.joint": "true",
           "scenario.train_subset": "null"}, "scenario.joint"),
@@ -76,6 +80,7 @@ def test_end_to_end_learns_and_writes_every_output(finished_run) -> None:
     run_dir, summary = finished_run
     modes = summary["modes"]
     assert set(modes) == {"mean", "bma", "single"}
+    assert summary["device"].startswith(resolve_device("auto").type)
     # 2 tasks, 16 batches each: far above the 10% of chance on both tasks.
     assert modes["mean"]["average_accuracy"] > 0.6
     assert modes["mean"]["first_task_accuracy"] > 0.5
@@ -100,8 +105,32 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     config = config_from_dict(quick())
     partial = run(config, tmp_path / "r", progress=False, stop_after=21)
     assert partial == {"interrupted_at": 21}
+    # a run started before a config key existed (here `device`) resumes: the key takes its default
+    saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    del saved["device"]
+    (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(saved))
     resumed = run(config, tmp_path / "r", resume=True, progress=False)
     assert resumed["modes"] == uninterrupted["modes"]
+
+
+def test_device_resolution_and_errors(monkeypatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device: 'cuda' asked for.*no CUDA GPU"):
+        resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_matches_the_cpu_run_and_resumes(finished_run, tmp_path) -> None:
+    _, on_cpu = finished_run
+    config = config_from_dict(quick(device="cuda"))
+    assert run(config, tmp_path / "gpu", progress=False, stop_after=21) == {"interrupted_at": 21}
+    on_gpu = run(config, tmp_path / "gpu", resume=True, progress=False)
+    assert on_gpu["device"].startswith("cuda")
+    for mode, entry in on_cpu["modes"].items():  # the same noise (drawn on the CPU); float rounding differs
+        assert on_gpu["modes"][mode]["average_accuracy"] == pytest.approx(entry["average_accuracy"], abs=0.02)
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_checkpoint(finished_run, tmp_path) -> None:

@@ -7,6 +7,7 @@ A bad config (unknown key, wrong type, impossible value) raises `ConfigError` na
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class Config:
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     checkpoint_every: int = 2000  # iterations between checkpoints (plus one at every evaluation)
     threads: int | None = None  # torch.set_num_threads
+    device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda" or "cuda:N"
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -144,6 +146,8 @@ def validate(config: Config) -> Config:
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
     _positive("threads", config.threads)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        raise ConfigError(f"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")
     for i, width in enumerate(config.model.hidden):
         _positive(f"model.hidden[{i}]", width)
     return config

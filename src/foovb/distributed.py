@@ -95,12 +95,13 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def setup_run(learner_kind: str) -> bool:
+def setup_run(learner_kind: str, device: torch.device | None = None) -> bool:
     """For the experiment runner: is this run distributed? Initialises the process group under torchrun.
 
-    A run is distributed when launched with WORLD_SIZE > 1 (torchrun; gloo, since the runner trains on the
-    CPU) or when the caller already initialised a process group of more than one process. Only FOO-VB
-    learners support it (MC-parallel); the baselines raise ValueError.
+    A run is distributed when launched with WORLD_SIZE > 1 (torchrun: NCCL with one GPU per process,
+    LOCAL_RANK, when the run's `device` is CUDA; gloo otherwise) or when the caller already initialised a
+    process group of more than one process. Only FOO-VB learners support it (MC-parallel); the baselines
+    raise ValueError.
     """
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if not launched and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -108,7 +109,7 @@ def setup_run(learner_kind: str) -> bool:
     if learner_kind != "foovb":
         raise ValueError(f"learner {learner_kind!r} runs single-process only; multi-process training "
                          "(torchrun) is implemented for the foovb learner")
-    init_from_env(backend="gloo")
+    init_from_env(backend="nccl" if device is not None and device.type == "cuda" else "gloo")
     return True
 
 

@@ -95,7 +95,7 @@ class FOOVBLearner:
     def posterior_std(self) -> np.ndarray:
         """Marginal posterior STD of every weight (the paper's STD histograms)."""
         return torch.cat([self.optimizer.posterior(p).std.flatten() for p in self.model.parameters()
-                          if p.requires_grad]).numpy()
+                          if p.requires_grad]).cpu().numpy()
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}

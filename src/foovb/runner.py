@@ -27,11 +27,11 @@ import torch
 import yaml
 
 from . import distributed, metrics, plots
-from .config import Config, config_to_dict
+from .config import Config, ConfigError, config_from_dict, config_to_dict
 from .learners import Learner, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
-__all__ = ["build_scenario", "run", "RunResult", "load_run"]
+__all__ = ["build_scenario", "run", "RunResult", "load_run", "resolve_device"]
 
 RunResult = dict[str, Any]
 
@@ -59,6 +59,20 @@ def build_scenario(config: Config):
     return JointStream(scenario, s.seed) if s.joint else scenario
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device of config key `device`: "auto" is CUDA when torch sees a GPU, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {name!r} asked for, but torch {torch.__version__} sees no CUDA GPU "
+                              "(use device=auto or device=cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
 def task_ends(config: Config, scenario) -> list[int]:
     """Iteration count at which each task's period ends (stage boundaries for "tasks seen so far")."""
     if config.scenario.kind == "continuous_permuted_mnist":
@@ -83,11 +97,11 @@ def _write_text(path: Path, text: str) -> None:
 class _Evaluator:
     """Accuracy of every task's test set in every prediction mode the learner supports."""
 
-    def __init__(self, scenario, test_subset: int | None):
+    def __init__(self, scenario, test_subset: int | None, device: torch.device):
         self.test_sets = []
         for task in range(scenario.num_tasks):
             x, y = scenario.test_set(task)
-            self.test_sets.append((x[:test_subset], y[:test_subset]) if test_subset else (x, y))
+            self.test_sets.append((x[:test_subset].to(device), y[:test_subset].to(device)))
 
     def __call__(self, learner: Learner, task_aware: bool) -> dict[str, Any]:
         accuracy: dict[str, list[float]] = {}
@@ -140,8 +154,11 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     Returns the summary (also in summary.json).
     """
     run_dir = Path(run_dir)
+    device = resolve_device(config.device)
     # under torchrun: MC-parallel FOO-VB (docs/distributed.md); only rank 0 writes files.
-    distributed_run = distributed.setup_run(config.learner.kind)
+    distributed_run = distributed.setup_run(config.learner.kind, device)
+    if distributed_run and device.type == "cuda":  # NCCL: every process on its own GPU (LOCAL_RANK)
+        device = torch.device("cuda", torch.cuda.current_device())
     main_process = not distributed_run or torch.distributed.get_rank() == 0
     checkpoint_path = run_dir / "checkpoint.pt"
     if resume and not checkpoint_path.is_file():
@@ -153,8 +170,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     if config.threads:
         torch.set_num_threads(config.threads)
     resolved = config_to_dict(config)
-    if resume:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
+        saved = config_to_dict(config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())))
         if saved != resolved:
             raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'}")
     if main_process:
@@ -164,16 +181,16 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     torch.manual_seed(config.seed)
     num_heads = scenario.num_tasks if scenario.task_aware else 1
     model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
-                       config.model.hidden)
+                       config.model.hidden).to(device)
     learner = make_learner(config.learner.kind, model, num_heads=num_heads,
                            classes_per_head=scenario.num_classes, seed=config.seed, **config.learner.params)
-    evaluator = _Evaluator(scenario, config.evaluation.test_subset)
+    evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
     ends = task_ends(config, scenario)
     records: list[dict] = []
     stds: dict[str, np.ndarray] = {}
     start, train_seconds = 0, 0.0
     if resume:
-        state = torch.load(checkpoint_path, weights_only=False)
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)  # load_state_dict places it
         learner.load_state_dict(state["learner"])
         start, records, train_seconds, stds = state["iteration"], state["records"], state["train_seconds"], state[
             "stds"]
@@ -204,7 +221,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
             if not bool((batch.task == task).all()):
                 raise ValueError("a task-aware learner got a batch mixing several tasks (e.g. the joint oracle of "
                                  "the vision mix): per-sample task heads are not supported")
-        loss = learner.observe(batch.x, batch.y, task)
+        loss = learner.observe(batch.x.to(device), batch.y.to(device), task)
         running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
         done = iteration + 1
         if bar is not None:
@@ -244,6 +261,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         "seconds_per_iteration": train_seconds / max(scenario.num_iterations, 1),
         "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                     f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "device": str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})",
         "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": _summary(records, ends, scenario.num_tasks),
     }
