@@ -149,6 +149,7 @@ RUNNER_CONFIG = {
     "evaluation": {"test_subset": 200},
     "checkpoint_every": 3,
     "threads": 1,
+    "device": "cpu",  # gloo on the CPU, compared exactly with a single-process CPU run
 }
 
 
