@@ -19,10 +19,11 @@ from numpy.typing import ArrayLike
 Curve = tuple[ArrayLike, ArrayLike]
 
 
-def _save(figure: Figure, path: str | os.PathLike[str]) -> Path:
+def _save(figure: Figure, path: str | os.PathLike[str], tight_layout: bool = True) -> Path:
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
+    if tight_layout:
+        figure.tight_layout()
     figure.savefig(output_path, format="png", dpi=120, bbox_inches="tight")
     return output_path
 
@@ -55,7 +56,7 @@ def _plot_curves(
     if not curves:
         raise ValueError("curves must hold at least one labelled (x, y) curve")
     validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
-    figure = Figure(figsize=(6.4 if len(validated) <= 4 else 9.0, 4.4))
+    figure = Figure(figsize=(6.4, 4.4))
     axes = figure.add_subplot()
     for (label, (x, y)), style in zip(validated.items(), curve_styles(len(validated)), strict=True):
         axes.plot(x, y, markersize=3, label=label, **style)
@@ -65,9 +66,10 @@ def _plot_curves(
     axes.grid(alpha=0.3)
     if len(validated) <= 4:
         axes.legend()
-    else:  # many curves: keep the legend off the data
-        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
-    return _save(figure, path)
+        return _save(figure, path)
+    # many curves: the legend right of the axes, which keep their size (the saved image widens instead)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+    return _save(figure, path, tight_layout=False)
 
 
 def plot_average_accuracy(
