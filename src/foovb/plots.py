@@ -64,12 +64,12 @@ def _plot_curves(
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
-    if len(validated) <= 4:
+    many = len(validated) > 4
+    if many:  # the legend right of the axes, which keep their size (the saved image widens instead)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+    else:
         axes.legend()
-        return _save(figure, path)
-    # many curves: the legend right of the axes, which keep their size (the saved image widens instead)
-    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
-    return _save(figure, path, tight_layout=False)
+    return _save(figure, path, tight_layout=not many)
 
 
 def plot_average_accuracy(

@@ -5,7 +5,7 @@ Run directory layout:
     metrics.jsonl            one record per evaluation (iteration, stage, per-task accuracy per mode, NLL, ECE)
     metrics.csv              the same, one row per (evaluation, task, mode)
     accuracy_matrix_<mode>.csv   rows: evaluations, columns: tasks
-    summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware
+    summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware, device
     stds.npz                 posterior STDs at every evaluation (Bayesian learners)
     checkpoint.pt            learner state + iteration + records (for --resume)
     plots/*.png              average accuracy, first-task accuracy, accuracy matrix, STD histograms, schedule
