@@ -110,8 +110,13 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
     del saved["evaluation"]["histograms"]
     (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump(saved))
-    resumed = run(config, tmp_path / "r", resume=True, progress=False)
+    # execution settings may change on resume (here a thread count and checkpoint interval)
+    threads = torch.get_num_threads()
+    resumed = run(config_from_dict(quick(threads=1, checkpoint_every=5)), tmp_path / "r", resume=True,
+                  progress=False)
+    torch.set_num_threads(threads)
     assert resumed["modes"] == uninterrupted["modes"]
+    assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["threads"] == 1
 
 
 def test_device_resolution_and_errors(monkeypatch) -> None:
@@ -138,8 +143,10 @@ def test_resume_refuses_a_changed_config_and_a_missing_checkpoint(finished_run, 
     with pytest.raises(FileNotFoundError):
         run(config_from_dict(quick()), tmp_path / "none", resume=True, progress=False)
     run_dir, _ = finished_run
-    with pytest.raises(ValueError, match="differs"):
+    with pytest.raises(ValueError, match=r"differs.*keys: learner\)"):
         run(config_from_dict(quick(**{"learner.params.mc_samples": 2})), run_dir, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"differs.*keys: seed, threads\)"):
+        run(config_from_dict(quick(seed=5, threads=1)), run_dir, resume=True, progress=False)
 
 
 def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, capsys, monkeypatch) -> None:

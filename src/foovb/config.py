@@ -60,6 +60,11 @@ class EvalConfig:
     histograms: bool = True  # save posterior STDs at every evaluation (Bayesian learners)
 
 
+# How a run executes, not what it computes: `--resume` accepts a change of these (e.g. resuming on a machine with
+# more cores or a GPU); a different thread count or device may change the last bits of floating-point results.
+EXECUTION_KEYS = ("threads", "device", "checkpoint_every")
+
+
 @dataclass
 class Config:
     name: str = "run"

@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from . import distributed, metrics, plots
-from .config import Config, ConfigError, config_from_dict, config_to_dict
+from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
 from .learners import Learner, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
@@ -124,6 +124,11 @@ def _predict_in_chunks(learner: Learner, x: torch.Tensor, task: int | None, rows
     return metrics.Predictions(torch.cat([p.mean for p in parts]), samples)
 
 
+def _average_so_far(record: dict) -> float:
+    """Average posterior-mean accuracy over the tasks seen by an evaluation (the progress bar's avg_acc)."""
+    return float(np.mean(record["accuracy"]["mean"][: record["stage"] + 1]))
+
+
 def _summary(records: list[dict], ends: list[int], num_tasks: int) -> dict[str, Any]:
     """Final metrics per mode from the evaluation records."""
     out: dict[str, Any] = {}
@@ -172,8 +177,10 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     resolved = config_to_dict(config)
     if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
         saved = config_to_dict(config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())))
-        if saved != resolved:
-            raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'}")
+        changed = sorted(key for key in saved.keys() | resolved.keys() if saved.get(key) != resolved.get(key))
+        if set(changed) - set(EXECUTION_KEYS):
+            raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
+                             f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
     if main_process:
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
@@ -212,7 +219,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         bar = tqdm(total=scenario.num_iterations, initial=start, desc=config.name, unit="it", dynamic_ncols=True,
                    mininterval=0.5 if sys.stderr.isatty() else 60.0)
     running_loss = None
-    last_average = float("nan")
+    last_average = _average_so_far(records[-1]) if records else float("nan")
     tic = time.perf_counter()
     for iteration, batch in scenario.batches(start):
         task = None
@@ -235,7 +242,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
             record = {"iteration": done, "stage": stage, **evaluator(learner, scenario.task_aware),
                       "train_seconds": train_seconds}
             records.append(record)
-            last_average = float(np.mean(record["accuracy"]["mean"][: stage + 1]))
+            last_average = _average_so_far(record)
             if config.evaluation.histograms and hasattr(learner, "posterior_std"):
                 stds[f"iteration_{done}"] = learner.posterior_std()
             save_checkpoint(done)
