@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 from conftest import make_generator, random_spd, random_sqrt
+from torch import Tensor
 
-from foovb.linalg import LowRank, root_scale, solve_fixed_point, sqrt_covariance_update
+from foovb.linalg import LowRank, left_singular_pairs, root_scale, solve_fixed_point, sqrt_covariance_update
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -159,6 +160,46 @@ def test_root_scale_solves_its_quadratic_without_cancellation():
 # ---------------------------------------------------------------------------------------------------------
 # sqrt_covariance_update and LowRank
 # ---------------------------------------------------------------------------------------------------------
+def _matrix_with_singular_values(shape: tuple[int, int], singular_values: Tensor, gen: torch.Generator) -> Tensor:
+    m, p = shape
+    left = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=F64))[0]
+    right = torch.linalg.qr(torch.randn(p, m, generator=gen, dtype=F64))[0]
+    return (left * singular_values) @ right.T
+
+
+@pytest.mark.parametrize("gram", [False, True])
+@pytest.mark.parametrize("shape", [(6, 6), (4, 9)])
+def test_left_singular_pairs_error_bounds(shape, gram):
+    """Singular values from 1e2 down to 1e-12: within ~eps * s_max of the exact ones by SVD, ~sqrt(eps) * s_max
+    by the Gram route (its documented accuracy); both give orthonormal U diagonalising M M^T."""
+    g = make_generator(sum(shape))
+    exact = torch.logspace(2, -12, shape[0], dtype=F64)
+    matrix = _matrix_with_singular_values(shape, exact, g)
+    u, s = left_singular_pairs(matrix, gram=gram)
+    order = torch.argsort(s, descending=True)
+    bound = (1.5e-8 if gram else 1e-15) * exact.max()
+    assert (s[order] - exact).abs().max() <= bound
+    torch.testing.assert_close(u.T @ u, torch.eye(shape[0], dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close((u * s**2) @ u.T, matrix @ matrix.T, atol=1e-10, rtol=0)
+
+
+def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision():
+    """A float32 factor takes the Gram route: on a spectrum from s_max = 2 down to 1e-10 (a real layer's range),
+    its update matches the float64 SVD update to float32 rounding."""
+    g = make_generator(3)
+    n = 40
+    a = random_sqrt(n, g)
+    n_mat = _matrix_with_singular_values((n, n), torch.logspace(0.3, -10, n, dtype=F64), g)
+    t = LowRank(dense=torch.linalg.solve(a.T, n_mat))  # A^T T = N
+    expected = sqrt_covariance_update(a, t)
+    got = sqrt_covariance_update(a.float(), LowRank(dense=t.to_dense().float()))
+    baseline = sqrt_covariance_update(a.float().double(), LowRank(dense=t.to_dense().float().double()))
+    scale = expected.abs().max()
+    # the float32 result is as close to the exact one as rounding the inputs to float32 alone makes it
+    assert (got.double() - baseline).abs().max() <= 4 * torch.finfo(torch.float32).eps * scale
+    assert (got.double() - expected).abs().max() <= 1e-5 * scale
+
+
 @pytest.mark.parametrize("rank", [1, 3, 5])
 def test_sqrt_update_dense_and_low_rank_give_lemma1_covariance(rank):
     g = make_generator(rank)

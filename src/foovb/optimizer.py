@@ -13,10 +13,8 @@ size; there is no silent default for it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +27,6 @@ from .sampled import SampledNetwork, check_batched_support
 __all__ = ["FOOVB"]
 
 _MASK64 = (1 << 64) - 1
-
-
-@functools.cache
-def _noise_pool(workers: int) -> ThreadPoolExecutor:
-    """Threads that draw the Monte Carlo noise of several blocks at once (torch releases the GIL)."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="foovb-noise")
 
 
 def _mix(*values: int) -> int:
@@ -179,7 +171,6 @@ class FOOVB(torch.optim.Optimizer):
             elif init != "keep":
                 self._paper_init(model, random_bias=init == "bgd")
         self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params, layer_std)
-        self._numel = sum(b.state["mean"].numel() for b in self.blocks)
         self.load_mean_into_model()
 
     @property
@@ -273,31 +264,25 @@ class FOOVB(torch.optim.Optimizer):
 
         The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
         any chunking and any split of the samples across processes see the same draws. With `antithetic`,
-        sample 2j + 1 is the negative of sample 2j. Blocks are drawn in parallel threads (torch releases the
-        GIL) when torch may use several.
+        sample 2j + 1 is the negative of sample 2j. (Drawing blocks in a thread pool made the training loop
+        slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
         """
 
-        def draw(index: int) -> Tensor:
-            block = self.blocks[index]
+        noises = {}
+        generator = torch.Generator()
+        for index, block in enumerate(self.blocks):
             ref = block.state["mean"]
             out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
-            generator = torch.Generator()
             for row, k in enumerate(samples):
+                if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
+                    torch.neg(out[row - 1], out=out[row])
+                    continue
                 generator.manual_seed(_mix(seed, index, k // 2 if antithetic else k))
                 torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
                 if antithetic and k % 2:
                     out[row].neg_()
-            return out.to(ref.device)
-
-        indices = range(len(self.blocks))
-        threads = torch.get_num_threads()
-        if threads > 1 and len(self.blocks) > 1 and len(samples) * self._numel > 1 << 16:
-            # largest blocks first, so the threads finish together
-            order = sorted(indices, key=lambda i: -self.blocks[i].state["mean"].numel())
-            drawn = dict(zip(order, _noise_pool(threads).map(draw, order), strict=True))
-        else:
-            drawn = {i: draw(i) for i in indices}
-        return {self.blocks[i]: drawn[i] for i in indices}
+            noises[block] = out.to(ref.device)
+        return noises
 
     def _next_seed(self) -> int:
         return int(torch.randint(2**62, (1,), generator=self.generator).item())
