@@ -204,8 +204,10 @@ def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
     opt = FOOVB(mlp(), "diagonal", 4, antithetic=True, seed=0)
     noise = opt.draw_noise(123, range(6), antithetic=True)
     plain = opt.draw_noise(123, range(6))
+    chunk = opt.draw_noise(123, range(3, 6), antithetic=True)  # starts with the second half of a pair
     for block in opt.blocks:
         eps = noise[block]
+        assert torch.equal(chunk[block], eps[3:6])
         assert torch.equal(eps[1::2], -eps[0::2])
         assert torch.equal(eps[0::2], plain[block][0:3])  # pair j is seeded like sample j
         assert not torch.equal(eps[0], eps[2])

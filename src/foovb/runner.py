@@ -59,6 +59,16 @@ def build_scenario(config: Config):
     return JointStream(scenario, s.seed) if s.joint else scenario
 
 
+def build_learner(config: Config, scenario, device: torch.device) -> Learner:
+    """The config's model (seeded by `config.seed`) on `device`, wrapped in its learner."""
+    torch.manual_seed(config.seed)
+    num_heads = scenario.num_tasks if scenario.task_aware else 1
+    model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
+                       config.model.hidden).to(device)
+    return make_learner(config.learner.kind, model, num_heads=num_heads, classes_per_head=scenario.num_classes,
+                        seed=config.seed, **config.learner.params)
+
+
 def resolve_device(name: str) -> torch.device:
     """The torch device of config key `device`: "auto" is CUDA when torch sees a GPU, else the CPU."""
     if name == "auto":
@@ -185,12 +195,7 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
     scenario = build_scenario(config)
-    torch.manual_seed(config.seed)
-    num_heads = scenario.num_tasks if scenario.task_aware else 1
-    model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
-                       config.model.hidden).to(device)
-    learner = make_learner(config.learner.kind, model, num_heads=num_heads,
-                           classes_per_head=scenario.num_classes, seed=config.seed, **config.learner.params)
+    learner = build_learner(config, scenario, device)
     evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
     ends = task_ends(config, scenario)
     records: list[dict] = []
