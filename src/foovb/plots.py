@@ -14,6 +14,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator
 from numpy.typing import ArrayLike
 
 Curve = tuple[ArrayLike, ArrayLike]
@@ -134,6 +135,11 @@ def plot_std_histograms(
         axes.axvline(initial_std, color="black", linestyle="--", label=f"initial STD {initial_std:g}")
     if log_x:
         axes.set_xscale("log")
+        if highest / lowest >= 10:  # ticks at 1, 2 and 5 per decade, as plain numbers (the default overlaps)
+            plain = FuncFormatter(lambda value, _: f"{value:g}")
+            axes.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+            axes.xaxis.set_major_formatter(plain)
+            axes.xaxis.set_minor_formatter(plain)
     axes.set_title(title)
     axes.set_xlabel("STD value")
     axes.set_ylabel("Number of weights")
