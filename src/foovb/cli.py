@@ -12,7 +12,7 @@ import torch
 from .config import ConfigError, load_config
 from .metrics import ACCURACY_MODES
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -76,7 +76,8 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `foovb` argument parser (its subcommands carry their function in `func`)."""
     parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="train and evaluate one experiment config")
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p_cmp.add_argument("--plot-runs", nargs="+", metavar="NAME",
                        help="run directory names drawn in the plots (default all); the table always has every run")
     p_cmp.set_defaults(func=_compare)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, FileExistsError) as error:
