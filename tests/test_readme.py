@@ -52,3 +52,17 @@ def test_readme_run_commands_build_their_learner() -> None:
             stream = SimpleNamespace(num_tasks=s.num_tasks, task_aware=False,
                                      input_shape=(1024 if s.pad_to_32 else 784,), num_classes=10)
         build_learner(config, stream, torch.device("cpu"))  # raises on an unknown or invalid hyperparameter
+
+
+def test_readme_and_docs_links_point_to_files() -> None:
+    """Relative links (and `docs/...` paths in code spans) of README.md and docs/*.md name files that exist."""
+    root = README.parent
+    missing = []
+    for page in [README, *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                missing.append(f"{page.name}: {target}")
+        missing += [f"{page.name}: {path}" for path in re.findall(r"`(docs/[^`\s{}*]+)`", text)
+                    if not (root / path).exists()]
+    assert not missing, missing
