@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import yaml
 from foovb import plots
 from foovb.cli import main
 from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
-from foovb.runner import resolve_device, run
+from foovb.runner import experiment_key, resolve_device, run
 
 QUICK = {
     "name": "quick",
@@ -179,6 +181,40 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
     assert len((tmp_path / "cmp3" / "compare.csv").read_text().splitlines()) == 1 + 3 + 1  # table: every run
     assert main(["compare", str(run_dir), "--out", str(tmp_path / "cmp4"), "--plot-runs", "sgd"]) == 2
     assert "--plot-runs" in capsys.readouterr().err
+
+
+def test_experiment_key_ignores_only_seeds_name_and_execution_keys() -> None:
+    key = experiment_key(quick())
+    assert experiment_key(quick(seed=3, threads=1, checkpoint_every=5, name="other", device="auto",
+                                **{"scenario.seed": 4})) == key
+    assert experiment_key(quick(**{"learner.params.mc_samples": 2})) != key
+    assert experiment_key(quick(**{"scenario.batch_size": 32})) != key
+
+
+def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
+    run_dir, summary = finished_run
+    other = tmp_path / "seed1"
+    other_summary = run(config_from_dict(quick(seed=1, threads=1, **{"scenario.seed": 1})), other, progress=False)
+    shutil.copytree(run_dir, tmp_path / "copy")
+    changed = tmp_path / "k2"
+    run_changed = quick(**{"learner.params.mc_samples": 2})
+    shutil.copytree(run_dir, changed)
+    (changed / "config.yaml").write_text(yaml.safe_dump(run_changed))
+    assert main(["compare", str(run_dir), str(other), str(changed), "--out", str(tmp_path / "cmp")]) == 0
+    rows = list(csv.DictReader((tmp_path / "cmp" / "compare_seeds.csv").read_text().splitlines()))
+    modes = ("mean", "bma", "single")
+    assert [(r["experiment"], r["mode"]) for r in rows] == [(n, m) for n in (run_dir.name, "k2") for m in modes]
+    for row in rows[:3]:
+        values = [s["modes"][row["mode"]]["average_accuracy"] for s in (summary, other_summary)]
+        assert (row["runs"], row["seeds"], row["num_runs"]) == (f"{run_dir.name} seed1", "0 1", "2")
+        assert float(row["average_accuracy_mean"]) == pytest.approx(np.mean(values), abs=1e-4)
+        assert float(row["average_accuracy_std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-4)
+        assert (float(row["average_accuracy_min"]), float(row["average_accuracy_max"])) == pytest.approx(
+            (min(values), max(values)), abs=1e-4)
+    assert rows[3]["average_accuracy_std"] == ""  # one run: no spread
+    assert "repeat a seed" not in capsys.readouterr().err
+    assert main(["compare", str(run_dir), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp2")]) == 0
+    assert "repeat a seed" in capsys.readouterr().err
 
 
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:

@@ -7,6 +7,7 @@ import csv
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import ConfigError, load_config
@@ -28,6 +29,45 @@ def _run(args: argparse.Namespace) -> int:
               f"first task {entry['first_task_accuracy']:.4f}")
     print(f"outputs in {run_dir}")
     return 0
+
+
+def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> None:
+    """`stem`.csv and `stem`.md in `out`, and the table printed with aligned columns."""
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    markdown += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    (out / f"{stem}.md").write_text("\n".join(markdown) + "\n")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def _seed_rows(runs: list[dict]) -> list[list]:
+    """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
+    differ only in their seeds (`runner.experiment_key`)."""
+    from .runner import experiment_key
+
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(experiment_key(r["config"]), []).append(r)
+    rows = []
+    for group in groups.values():
+        seeds = [(r["config"].get("seed", 0), r["config"].get("scenario", {}).get("seed", 0)) for r in group]
+        if len(set(seeds)) < len(seeds):
+            print(f"foovb: warning: {[r['dir'].name for r in group]} repeat a seed of one experiment; "
+                  "the mean over seeds counts each run", file=sys.stderr)
+        seed_text = " ".join(str(s) if s == t else f"{s}/{t}" for s, t in seeds)
+        for mode in group[0]["summary"]["modes"]:
+            entries = [r["summary"]["modes"][mode] for r in group]
+            average = np.array([e["average_accuracy"] for e in entries])
+            std = f"{average.std(ddof=1):.4f}" if len(average) > 1 else ""
+            forgetting = np.mean([e.get("forgetting", np.nan) for e in entries])
+            rows.append([group[0]["dir"].name, " ".join(r["dir"].name for r in group), seed_text, len(group),
+                         group[0]["summary"]["learner"], mode, f"{average.mean():.4f}", std,
+                         f"{average.min():.4f}", f"{average.max():.4f}",
+                         f"{np.mean([e['first_task_accuracy'] for e in entries]):.4f}", f"{forgetting:.4f}"])
+    return rows
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -62,17 +102,15 @@ def _compare(args: argparse.Namespace) -> int:
             if drawn_run and (args.plot_modes is None or mode in args.plot_modes):
                 average_curves[label] = (stages, entry["average_accuracy_curve"])
                 first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
-    with open(out / "compare.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
-    markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    markdown += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
-    (out / "compare.md").write_text("\n".join(markdown) + "\n")
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    for row in [header, *rows]:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    _write_table(out, "compare", header, rows)
+    print()
+    seed_header = ["experiment", "runs", "seeds", "num_runs", "learner", "mode", "average_accuracy_mean",
+                   "average_accuracy_std", "average_accuracy_min", "average_accuracy_max",
+                   "first_task_accuracy_mean", "forgetting_mean"]
+    _write_table(out, "compare_seeds", seed_header, _seed_rows(runs))
     plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
     plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
-    print(f"table (compare.csv, compare.md) and plots in {out}")
+    print(f"tables (compare.csv/.md, per run; compare_seeds.csv/.md, mean over seeds) and plots in {out}")
     return 0
 
 

@@ -326,6 +326,16 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
                                  plot_dir / "task_schedule.png")
 
 
+def experiment_key(config: dict[str, Any]) -> str:
+    """What a run computes, up to its seeds: the resolved config without `name`, `seed`, `scenario.seed` and the
+    execution keys, as canonical JSON. Runs with equal keys are seeds of one experiment (`foovb compare`)."""
+    resolved = config_to_dict(config_from_dict(config))
+    for key in ("name", "seed", *EXECUTION_KEYS):
+        resolved.pop(key)
+    resolved["scenario"].pop("seed")
+    return json.dumps(resolved, sort_keys=True)
+
+
 def load_run(run_dir: str | Path) -> dict[str, Any]:
     """A finished run's summary and records (for `foovb compare`)."""
     run_dir = Path(run_dir)
