@@ -188,6 +188,8 @@ def test_experiment_key_ignores_only_seeds_name_and_execution_keys() -> None:
     assert experiment_key(quick(seed=3, threads=1, checkpoint_every=5, name="other", device="auto",
                                 **{"scenario.seed": 4})) == key
     assert experiment_key(quick(**{"learner.params.mc_samples": 2})) != key
+    # a default written out, or a change of how the step is computed only, is the same experiment
+    assert experiment_key(quick(**{"learner.params.std_init": 0.047, "learner.params.batched": "false"})) == key
     assert experiment_key(quick(**{"scenario.batch_size": 32})) != key
 
 

@@ -5,6 +5,7 @@ A learner sees batches only: `observe(x, y, task)`, where `task` is None in task
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,7 +19,7 @@ from .metrics import Predictions
 from .optimizer import FOOVB
 from .predict import predict
 
-__all__ = ["Learner", "FOOVBLearner", "make_learner", "make_model", "LEARNERS", "MODELS"]
+__all__ = ["Learner", "FOOVBLearner", "learner_hyperparameters", "make_learner", "make_model", "LEARNERS", "MODELS"]
 
 
 class Learner(Protocol):
@@ -105,6 +106,22 @@ class FOOVBLearner:
 
 
 LEARNERS = ("foovb", *BASELINES)
+
+
+# Arguments of the learners that the runner sets itself (model, heads, seed), and the FOO-VB arguments that
+# change how a step is computed, not what (the batched and sequential paths give the same update, tested).
+_NOT_HYPERPARAMETERS = ("model", "num_heads", "classes_per_head", "seed", "batched", "chunk_size")
+
+
+def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[str, Any]:
+    """`hyperparameters` completed with the defaults of learner `kind`, without the arguments that only say
+    how a step is computed (so that leaving a default out and setting it explicitly compare equal)."""
+    if kind not in LEARNERS:
+        raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
+    signature = inspect.signature(FOOVBLearner if kind == "foovb" else BASELINES[kind])
+    defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not p.empty}
+    return {name: value for name, value in {**defaults, **hyperparameters}.items()
+            if name not in _NOT_HYPERPARAMETERS}
 
 
 def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_head: int = 10,

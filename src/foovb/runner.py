@@ -28,7 +28,7 @@ import yaml
 
 from . import distributed, metrics, plots
 from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
-from .learners import Learner, make_learner, make_model
+from .learners import Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
 __all__ = ["build_scenario", "run", "RunResult", "load_run", "resolve_device"]
@@ -327,12 +327,15 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
 
 
 def experiment_key(config: dict[str, Any]) -> str:
-    """What a run computes, up to its seeds: the resolved config without `name`, `seed`, `scenario.seed` and the
-    execution keys, as canonical JSON. Runs with equal keys are seeds of one experiment (`foovb compare`)."""
+    """What a run computes, up to its seeds: the resolved config (learner defaults filled in) without `name`,
+    `seed`, `scenario.seed` and the execution keys, as canonical JSON. Runs with equal keys are seeds of one
+    experiment (`foovb compare`)."""
     resolved = config_to_dict(config_from_dict(config))
     for key in ("name", "seed", *EXECUTION_KEYS):
         resolved.pop(key)
     resolved["scenario"].pop("seed")
+    learner = resolved["learner"]
+    learner["params"] = learner_hyperparameters(learner["kind"], learner["params"])
     return json.dumps(resolved, sort_keys=True)
 
 
