@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError, load_config
+from .config import ConfigError, config_from_dict, load_config
 from .metrics import ACCURACY_MODES
 
 __all__ = ["build_parser", "main"]
@@ -53,7 +53,8 @@ def _seed_rows(runs: list[dict]) -> list[list]:
         groups.setdefault(experiment_key(r["config"]), []).append(r)
     rows = []
     for group in groups.values():
-        seeds = [(r["config"].get("seed", 0), r["config"].get("scenario", {}).get("seed", 0)) for r in group]
+        configs = [config_from_dict(r["config"]) for r in group]
+        seeds = [(c.seed, c.scenario.seed) for c in configs]
         if len(set(seeds)) < len(seeds):
             print(f"foovb: warning: {[r['dir'].name for r in group]} repeat a seed of one experiment; "
                   "the mean over seeds counts each run", file=sys.stderr)

@@ -108,9 +108,9 @@ class FOOVBLearner:
 LEARNERS = ("foovb", *BASELINES)
 
 
-# Arguments of the learners that the runner sets itself (model, heads, seed), and the FOO-VB arguments that
-# change how a step is computed, not what (the batched and sequential paths give the same update, tested).
-_NOT_HYPERPARAMETERS = ("model", "num_heads", "classes_per_head", "seed", "batched", "chunk_size")
+# Arguments with defaults that the runner sets itself (heads, seed), and the FOO-VB arguments that change how
+# a step is computed, not what (the batched and sequential paths give the same update, tested).
+_NOT_HYPERPARAMETERS = ("num_heads", "classes_per_head", "seed", "batched", "chunk_size")
 
 
 def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[str, Any]:
