@@ -310,8 +310,10 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
     score ``(1/B) sum_n (grad log p(y_hat_n | x_n))^2``. Normalising per sample makes ``F`` independent of the
     batch size: after ``n`` iterations ``F`` is about ``n`` single-sample Fishers, and ``reg`` scales that
     evidence (the paper's best values were 10 with lr 0.001 on discrete, 0.1 with lr 0.01 on continuous
-    permuted MNIST). The labels are drawn from the learner's own generator (seeded by ``seed``, saved in
-    ``state_dict``), so the global random stream is untouched and resumed runs are exact.
+    permuted MNIST). The Continual-Learning-Benchmark implementation (Hsu et al. 2018) penalises
+    ``reg * sum_k F_k (theta_k - theta*_k)^2`` (no 1/2, so its ``reg`` ``c`` is ``2 c`` here) and labels the
+    Fisher samples with the model's argmax. Here the labels are drawn from the learner's own generator (seeded
+    by ``seed``, saved in ``state_dict``), so the global random stream is untouched and resumed runs are exact.
     """
 
     name = "ewc_online"
@@ -359,6 +361,8 @@ class MASLearner(PerIterationConsolidationLearner):
     Importance ``Omega_batch = | grad_theta (1/B) sum_n ||f(x_n; theta_t)||_2^2 |`` with ``f`` the (task-head)
     logits: the sensitivity of the squared L2 norm of the output, from the batch-mean gradient (as in the
     Continual-Learning-Benchmark implementation of Hsu et al. 2018) instead of per-sample absolute gradients.
+    That implementation also averages over the ``C`` outputs, so its importance is ``1/C`` of this one and its
+    ``reg`` corresponds to ``reg / C`` here.
     ``Omega <- gamma * Omega + Omega_batch`` every iteration, anchor ``theta* <- theta`` after every step;
     penalty ``reg * sum_k Omega_k (theta_k - theta*_k)^2`` (``curvature_scale = 2 * reg``), applied by the
     proximal rule of ``PerIterationConsolidationLearner``. The labels do not enter the importance (MAS is
