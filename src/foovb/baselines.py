@@ -362,7 +362,7 @@ class MASLearner(PerIterationConsolidationLearner):
     logits: the sensitivity of the squared L2 norm of the output, from the batch-mean gradient (as in the
     Continual-Learning-Benchmark implementation of Hsu et al. 2018) instead of per-sample absolute gradients.
     That implementation also averages over the ``C`` outputs, so its importance is ``1/C`` of this one and its
-    ``reg`` corresponds to ``reg / C`` here.
+    ``reg`` ``c`` is ``c / C`` here.
     ``Omega <- gamma * Omega + Omega_batch`` every iteration, anchor ``theta* <- theta`` after every step;
     penalty ``reg * sum_k Omega_k (theta_k - theta*_k)^2`` (``curvature_scale = 2 * reg``), applied by the
     proximal rule of ``PerIterationConsolidationLearner``. The labels do not enter the importance (MAS is
