@@ -74,27 +74,57 @@ def test_zero_regularisation_reduces_exactly_to_sgd(name):
     assert distance(parameters_of(sgd), parameters_of(regularised)) > 1e-3
 
 
-def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty():
-    """theta_{t+1} = argmin g.(theta - theta_t) + |theta - theta_t|^2 / (2 lr) + penalty(theta) with
-    penalty = reg/2 sum F (theta - theta_t)^2, checked through its stationarity condition with the penalty
-    gradient from autograd."""
-    lr, reg = 0.1, 5.0
-    learner = OnlineEWCLearner(make_model(), lr=lr, reg=reg)
-    *warm_up, (x, y) = make_batches(6)
-    train(learner, warm_up)
-    fisher = {name: value.clone() for name, value in learner.importance.items()}
+class HandWrittenOptimizer:
+    """The update direction and per-parameter step size ``s`` of SGD / Adam / Adagrad (torch defaults), written
+    out from their papers' recursions: the optimiser's step is ``-s * direction``."""
+
+    def __init__(self, kind, lr):
+        self.kind, self.lr, self.count, self.first, self.second = kind, lr, 0, None, None
+
+    def update(self, gradient):
+        self.count += 1
+        if self.first is None:
+            self.first, self.second = torch.zeros_like(gradient), torch.zeros_like(gradient)
+        if self.kind == "sgd":
+            return gradient, torch.full_like(gradient, self.lr)
+        if self.kind == "adagrad":
+            self.second += gradient.square()
+            return gradient, self.lr / (self.second.sqrt() + 1e-10)
+        self.first = 0.9 * self.first + 0.1 * gradient
+        self.second = 0.999 * self.second + 0.001 * gradient.square()
+        corrected_first = self.first / (1 - 0.9**self.count)
+        corrected_second = self.second / (1 - 0.999**self.count)
+        return corrected_first, self.lr / (corrected_second.sqrt() + 1e-8)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty_in_the_optimisers_metric(optimizer):
+    """theta_{t+1} = argmin direction.(theta - theta_t) + sum (theta - theta_t)^2 / (2 s) + penalty(theta), with
+    penalty = reg/2 sum F (theta - theta_t)^2 and (direction, s) of the optimiser (for SGD the gradient and lr),
+    checked through its stationarity condition with the penalty gradient from autograd."""
+    lr, reg = 0.05, 5.0
+    learner = OnlineEWCLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer)
+    hand_written = {name: HandWrittenOptimizer(optimizer, lr) for name in learner.trainable_parameters}
+    batches = make_batches(6)
+    for x, y in batches:
+        fisher = {name: value.clone() for name, value in learner.importance.items()}
+        before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+        data_gradients = torch.autograd.grad(
+            nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
+        )
+        metric = {name: hand_written[name].update(g) for name, g in zip(before, data_gradients, strict=True)}
+        learner.observe(x, y)
     assert all(value.sum() > 0 for value in fisher.values())
-    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
-    data_gradients = torch.autograd.grad(
-        nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
-    )
-    learner.observe(x, y)
     after = {name: p.detach().clone().requires_grad_() for name, p in learner.model.named_parameters()}
     penalty = sum(reg / 2 * (fisher[name] * (after[name] - before[name]).square()).sum() for name in after)
-    penalty_gradients = torch.autograd.grad(penalty, list(after.values()))
-    for name, data_gradient, penalty_gradient in zip(after, data_gradients, penalty_gradients, strict=True):
-        stationarity = data_gradient + (after[name].detach() - before[name]) / lr + penalty_gradient
-        torch.testing.assert_close(stationarity, torch.zeros_like(stationarity), atol=1e-5, rtol=0)
+    penalty_gradients = dict(zip(after, torch.autograd.grad(penalty, list(after.values())), strict=True))
+    for name, (direction, step_size) in metric.items():
+        displacement = after[name].detach() - before[name]
+        torch.testing.assert_close(direction + penalty_gradients[name], -displacement / step_size,
+                                   atol=1e-6, rtol=1e-4)
+    # the penalty acted: the step differs from the optimiser's own step -s * direction
+    assert any(not torch.allclose(after[name].detach() - before[name], -s * d, atol=1e-7, rtol=1e-3)
+               for name, (d, s) in metric.items())
 
 
 def test_ewc_fisher_is_the_decayed_sum_of_per_sample_fishers_of_model_sampled_labels():

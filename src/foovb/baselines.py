@@ -123,6 +123,29 @@ class BaselineLearner:
         logits = self._head_logits(self.model(x), task)
         return logits, F.cross_entropy(logits, y)
 
+    def _step_sizes(self) -> dict[str, Tensor | float]:
+        """Per-parameter step size ``s`` of the optimiser's last step, whose update is ``-s * direction``.
+
+        SGD: ``s = lr``, direction the gradient. Adagrad: ``s = lr_t / (sqrt(sum g^2) + eps)``, direction the
+        gradient. Adam: ``s = lr / (sqrt(v_hat) + eps)``, direction the bias-corrected first moment ``m_hat``.
+        ``1 / s`` is the diagonal metric in which the step is a proximal (trust-region) step:
+        ``-s * direction = argmin_d direction . d + sum d^2 / (2 s)``.
+        """
+        sizes: dict[str, Tensor | float] = {}
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+        for name, parameter in self.trainable_parameters.items():
+            group, state = group_of[id(parameter)], self.optimizer.state.get(parameter, {})
+            if isinstance(self.optimizer, torch.optim.Adam) and state:
+                step = float(state["step"])
+                bias_correction2 = 1 - group["betas"][1] ** step
+                sizes[name] = group["lr"] / (state["exp_avg_sq"].sqrt() / bias_correction2**0.5 + group["eps"])
+            elif isinstance(self.optimizer, torch.optim.Adagrad) and state:
+                decayed_lr = group["lr"] / (1 + (float(state["step"]) - 1) * group["lr_decay"])
+                sizes[name] = decayed_lr / (state["sum"].sqrt() + group["eps"])
+            else:
+                sizes[name] = group["lr"]
+        return sizes
+
     def _parameter_snapshot(self) -> dict[str, Tensor]:
         return {name: parameter.detach().clone() for name, parameter in self.trainable_parameters.items()}
 
@@ -208,20 +231,25 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
 
     The regulariser is ``1/2 * sum_k curvature_scale * I_k * (theta_k - anchor_k)^2`` with a running
     importance ``I`` and the anchor set to the current parameters after every step. Each ``observe``, with
-    ``theta_t`` the parameters before the step and ``lr`` the optimiser's learning rate:
+    ``theta_t`` the parameters before the step and ``s`` the optimiser's per-parameter step size
+    (``_step_sizes``: ``lr`` for SGD, ``lr / (sqrt(v_hat) + eps)`` for Adam, ``lr / (sqrt(sum g^2) + eps)`` for
+    Adagrad):
 
     1. ``I_batch`` = the method's importance of this batch at ``theta_t`` (same forward pass);
-    2. ``theta'`` = optimiser step on the batch cross-entropy;
-    3. ``theta_{t+1} = theta' - (theta' - theta_t) * a / (1 + a)`` with ``a = lr * curvature_scale * I``;
+    2. ``theta'`` = optimiser step on the batch cross-entropy, ``theta' - theta_t = -s * direction``;
+    3. ``theta_{t+1} = theta' - (theta' - theta_t) * a / (1 + a)`` with ``a = s * curvature_scale * I``;
     4. ``I <- gamma * I + I_batch``; anchor ``<- theta_{t+1}``.
 
     Why step 3: since the anchor equals the current parameters, the penalty's gradient at the start of every
-    step is exactly zero, and adding the penalty to the loss would leave plain SGD. The penalty is instead
-    applied through its proximal operator (forward-backward splitting, step size ``lr``). For SGD step 3 is
-    the exact minimiser of ``g.(theta - theta_t) + |theta - theta_t|^2 / (2 lr) + penalty(theta)``, i.e.
-    ``theta_{t+1} = theta_t - lr * g / (1 + lr * curvature_scale * I)``: important weights move less, and the
-    step tends to an online-Newton step as the importance accumulates. With ``reg = 0`` (or before any
-    importance has accumulated) step 3 changes nothing, exactly.
+    step is exactly zero, and adding the penalty to the loss would leave the plain optimiser. The penalty is
+    instead applied through its proximal operator in the optimiser's own metric (forward-backward splitting).
+    Step 3 is the exact minimiser of ``direction.(theta - theta_t) + sum (theta - theta_t)^2 / (2 s) +
+    penalty(theta)``, i.e. ``theta_{t+1} = theta_t - s * direction / (1 + s * curvature_scale * I)``; for SGD
+    ``theta_t - lr * g / (1 + lr * curvature_scale * I)``: important weights move less, and the step tends to
+    an online-Newton step as the importance accumulates. With ``reg = 0`` (or before any importance has
+    accumulated) step 3 changes nothing, exactly. For Adam and Adagrad ``s`` is ``lr`` divided by the
+    gradient scale, so the penalty acts on the step the optimiser actually takes (with ``lr`` in place of
+    ``s`` it would be weaker by that scale).
 
     Args:
         reg: regularisation coefficient (>= 0).
@@ -276,14 +304,10 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
         self.optimizer.zero_grad()
         data_loss.backward()
         self.optimizer.step()
-        learning_rates = {
-            id(parameter): group["lr"]
-            for group in self.optimizer.param_groups
-            for parameter in group["params"]
-        }
+        step_sizes = self._step_sizes()
         with torch.no_grad():
             for name, parameter in self.trainable_parameters.items():
-                stiffness = learning_rates[id(parameter)] * self.curvature_scale * self.importance[name]
+                stiffness = step_sizes[name] * self.curvature_scale * self.importance[name]
                 parameter.sub_((parameter - anchor[name]) * (stiffness / (1 + stiffness)))
                 self.importance[name].mul_(self.gamma).add_(batch_importance[name])
         return data_loss.item()
