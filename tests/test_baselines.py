@@ -79,16 +79,14 @@ class HandWrittenOptimizer:
     out from their papers' recursions: the optimiser's step is ``-s * direction``."""
 
     def __init__(self, kind, lr):
-        self.kind, self.lr, self.count, self.first, self.second = kind, lr, 0, None, None
+        self.kind, self.lr, self.count, self.first, self.second = kind, lr, 0, 0.0, 0.0
 
     def update(self, gradient):
         self.count += 1
-        if self.first is None:
-            self.first, self.second = torch.zeros_like(gradient), torch.zeros_like(gradient)
         if self.kind == "sgd":
             return gradient, torch.full_like(gradient, self.lr)
         if self.kind == "adagrad":
-            self.second += gradient.square()
+            self.second = self.second + gradient.square()
             return gradient, self.lr / (self.second.sqrt() + 1e-10)
         self.first = 0.9 * self.first + 0.1 * gradient
         self.second = 0.999 * self.second + 0.001 * gradient.square()
