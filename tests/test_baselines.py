@@ -156,6 +156,34 @@ def test_mas_importance_is_abs_gradient_of_squared_output_norm():
         torch.testing.assert_close(learner.importance[name], gradient.abs())
 
 
+def test_mas_per_sample_importance_is_mean_of_per_sample_abs_gradients():
+    """MAS paper, Eq. 2: Omega = (1/B) sum_n |grad ||f(x_n)||^2|, checked against one autograd call per sample."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    learner = MASLearner(model, lr=0.1, reg=1.0, importance="per_sample")
+    (x, y), *_ = make_batches(1)
+    expected = {name: torch.zeros_like(parameter) for name, parameter in reference.named_parameters()}
+    for sample in x:
+        gradients = torch.autograd.grad(reference(sample[None]).square().sum(), list(reference.parameters()))
+        for (name, _), gradient in zip(reference.named_parameters(), gradients, strict=True):
+            expected[name] += gradient.abs() / len(x)
+    batch_learner = MASLearner(copy.deepcopy(reference), lr=0.1, reg=1.0)
+    batch_importance = batch_learner._batch_importance(batch_learner.model(x), x, None)
+    learner.observe(x, y)
+    for name, value in expected.items():
+        torch.testing.assert_close(learner.importance[name], value)
+        # triangle inequality: the batch-mean gradient's |.| is at most the mean of the per-sample |.|
+        assert bool((batch_importance[name] <= value + 1e-6).all())
+    assert any(bool((batch_importance[name] < 0.9 * expected[name]).any()) for name in expected)
+
+
+def test_mas_per_sample_importance_rejects_parameters_outside_linear_layers():
+    model = nn.Sequential(nn.Linear(2, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"\['1.bias', '1.weight'\]"):
+        MASLearner(model, importance="per_sample")
+    MASLearner(model)  # the batch estimate takes any model
+
+
 def test_strong_ewc_moves_parameters_less_than_sgd_on_a_second_task():
     first_task = make_batches(40, seed=1)
     second_task = make_batches(40, seed=2, centers=CENTERS.flip(0))  # same inputs, permuted labels
@@ -323,6 +351,7 @@ def test_factory_rejects_unknown_names_and_invalid_hyperparameters():
         ("ewc_online", {"gamma": 0.0}, "gamma"),
         ("ewc_online", {"reg": -1.0}, "reg"),
         ("mas", {"optimizer": "rmsprop"}, "optimizer"),
+        ("mas", {"importance": "per_weight"}, "importance"),
         ("si", {"xi": 0.0}, "xi"),
         ("si", {"c": -0.1}, "c"),
         ("adam", {"num_heads": 0}, "num_heads"),

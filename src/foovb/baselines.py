@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -283,8 +284,8 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
         """Factor ``s`` of the penalty ``1/2 * s * sum_k I_k (theta_k - anchor_k)^2``."""
 
     @abstractmethod
-    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
-        """This batch's importance per parameter name, from the train-mode head ``logits`` at ``theta_t``."""
+    def _batch_importance(self, logits: Tensor, x: Tensor, task: int | None) -> dict[str, Tensor]:
+        """This batch's importance per parameter name, from the train-mode head ``logits`` of ``x`` at ``theta_t``."""
 
     def _gradients_keeping_graph(self, objective: Tensor) -> dict[str, Tensor]:
         """Gradient of ``objective`` per parameter name (zeros where unused); the graph is kept."""
@@ -299,7 +300,7 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
     def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
         """One proximal consolidation step (class docstring, steps 1-4); returns the batch cross-entropy."""
         logits, data_loss = self._training_loss(x, y, task)
-        batch_importance = self._batch_importance(logits)
+        batch_importance = self._batch_importance(logits, x, task)
         anchor = self._parameter_snapshot()
         self.optimizer.zero_grad()
         data_loss.backward()
@@ -362,7 +363,7 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
     def curvature_scale(self) -> float:
         return self.reg
 
-    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
+    def _batch_importance(self, logits: Tensor, x: Tensor, task: int | None) -> dict[str, Tensor]:
         probabilities = torch.softmax(logits.detach(), dim=1)
         sampled_labels = torch.multinomial(probabilities, 1, generator=self.label_generator).squeeze(1)
         mean_log_likelihood = -F.cross_entropy(logits, sampled_labels)
@@ -383,11 +384,15 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
 class MASLearner(PerIterationConsolidationLearner):
     """Memory Aware Synapses (Aljundi et al. 2018) with per-iteration consolidation.
 
-    Importance ``Omega_batch = | grad_theta (1/B) sum_n ||f(x_n; theta_t)||_2^2 |`` with ``f`` the (task-head)
-    logits: the sensitivity of the squared L2 norm of the output, from the batch-mean gradient (as in the
-    Continual-Learning-Benchmark implementation of Hsu et al. 2018) instead of per-sample absolute gradients.
-    That implementation also averages over the ``C`` outputs, so its importance is ``1/C`` of this one and its
-    ``reg`` ``c`` is ``c / C`` here.
+    Importance: the sensitivity of the squared L2 norm of the (task-head) logits ``f``. With
+    ``importance="batch"`` (default) ``Omega_batch = | grad_theta (1/B) sum_n ||f(x_n; theta_t)||_2^2 |``, from
+    the batch-mean gradient, as in the Continual-Learning-Benchmark implementation of Hsu et al. 2018 (which
+    also averages over the ``C`` outputs, so its importance is ``1/C`` of this one and its ``reg`` ``c`` is
+    ``c / C`` here). With ``importance="per_sample"`` it is the MAS paper's definition,
+    ``Omega_batch = (1/B) sum_n | grad_theta ||f(x_n; theta_t)||_2^2 |``, from per-sample gradients (larger, by
+    the triangle inequality, wherever the samples' gradients disagree in sign); supported for models whose
+    trainable parameters all belong to ``nn.Linear`` layers (``ValueError`` otherwise), computed exactly at the
+    cost of one extra forward and backward pass.
     ``Omega <- gamma * Omega + Omega_batch`` every iteration, anchor ``theta* <- theta`` after every step;
     penalty ``reg * sum_k Omega_k (theta_k - theta*_k)^2`` (``curvature_scale = 2 * reg``), applied by the
     proximal rule of ``PerIterationConsolidationLearner``. The labels do not enter the importance (MAS is
@@ -405,19 +410,80 @@ class MASLearner(PerIterationConsolidationLearner):
         optimizer: str = "sgd",
         num_heads: int = 1,
         classes_per_head: int | None = None,
+        importance: str = "batch",
     ) -> None:
         super().__init__(model, lr, reg, gamma, optimizer, num_heads, classes_per_head)
+        if importance not in ("batch", "per_sample"):
+            raise ValueError(f"importance must be 'batch' or 'per_sample', got {importance!r}")
+        self.importance_estimate = importance
+        self.linear_layers: dict[str, nn.Linear] = {}
+        if importance == "per_sample":
+            self.linear_layers = {
+                name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            }
+            in_linear_layers = {
+                f"{name}.{parameter_name}" if name else parameter_name
+                for name, layer in self.linear_layers.items()
+                for parameter_name, _ in layer.named_parameters(recurse=False)
+            }
+            others = sorted(set(self.trainable_parameters) - in_linear_layers)
+            if others:
+                raise ValueError(
+                    f"importance='per_sample' supports models whose trainable parameters all belong to nn.Linear "
+                    f"layers applied once per forward pass; these do not: {others}"
+                )
 
     @property
     def curvature_scale(self) -> float:
         return 2.0 * self.reg
 
-    def _batch_importance(self, logits: Tensor) -> dict[str, Tensor]:
+    def _batch_importance(self, logits: Tensor, x: Tensor, task: int | None) -> dict[str, Tensor]:
+        if self.importance_estimate == "per_sample":
+            return self._per_sample_importance(x, task)
         mean_squared_output_norm = logits.square().sum(dim=1).mean()
         return {
             name: gradient.abs()
             for name, gradient in self._gradients_keeping_graph(mean_squared_output_norm).items()
         }
+
+    def _per_sample_importance(self, x: Tensor, task: int | None) -> dict[str, Tensor]:
+        """``(1/B) sum_n | grad_theta ||f(x_n; theta_t)||^2 |`` (the MAS paper's importance) without per-sample passes.
+
+        A linear layer's per-sample weight gradient is the outer product ``delta_n a_n^T`` of the gradient
+        w.r.t. its output and its input, so ``(1/B) sum_n |delta_n a_n^T| = |delta|^T |a| / B``: one forward and
+        one backward pass of ``sum_n ||f(x_n)||^2`` (samples do not interact), then one matrix product per layer.
+        """
+        layer_inputs: dict[str, Tensor] = {}
+        layer_outputs: dict[str, Tensor] = {}
+
+        def capture(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+            def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+                layer_inputs[name], layer_outputs[name] = args[0], output
+
+            return hook
+
+        hooks = [layer.register_forward_hook(capture(name)) for name, layer in self.linear_layers.items()]
+        try:
+            squared_output_norms = self._head_logits(self.model(x), task).square().sum()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        output_gradients = torch.autograd.grad(
+            squared_output_norms, [layer_outputs[name] for name in self.linear_layers]
+        )
+        importance = {}
+        for (name, layer), output_gradient in zip(self.linear_layers.items(), output_gradients, strict=True):
+            if output_gradient.dim() != 2:
+                raise ValueError(
+                    f"importance='per_sample' needs each linear layer applied to (batch, features) inputs; "
+                    f"layer {name!r} got shape {tuple(layer_inputs[name].shape)}"
+                )
+            abs_output_gradient = output_gradient.abs()
+            prefix = f"{name}." if name else ""
+            importance[prefix + "weight"] = abs_output_gradient.T @ layer_inputs[name].detach().abs() / len(x)
+            if layer.bias is not None:
+                importance[prefix + "bias"] = abs_output_gradient.mean(dim=0)
+        return {name: importance[name] for name in self.trainable_parameters}
 
 
 class SILearner(BaselineLearner):
