@@ -184,6 +184,22 @@ def test_mas_per_sample_importance_rejects_parameters_outside_linear_layers():
     MASLearner(model)  # the batch estimate takes any model
 
 
+class SharedLayerModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.shared(x)))
+
+
+def test_mas_per_sample_importance_rejects_a_linear_layer_applied_twice():
+    learner = MASLearner(SharedLayerModel(), importance="per_sample")
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(ValueError, match="more than once"):
+        learner.observe(x, y)
+
+
 def test_strong_ewc_moves_parameters_less_than_sgd_on_a_second_task():
     first_task = make_batches(40, seed=1)
     second_task = make_batches(40, seed=2, centers=CENTERS.flip(0))  # same inputs, permuted labels

@@ -430,7 +430,7 @@ class MASLearner(PerIterationConsolidationLearner):
             if others:
                 raise ValueError(
                     f"importance='per_sample' supports models whose trainable parameters all belong to nn.Linear "
-                    f"layers applied once per forward pass; these do not: {others}"
+                    f"layers (each applied at most once per forward pass); these do not: {others}"
                 )
 
     @property
@@ -458,6 +458,8 @@ class MASLearner(PerIterationConsolidationLearner):
 
         def capture(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
             def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+                if name in layer_outputs:  # a shared layer's per-sample gradient sums outer products
+                    raise ValueError(f"importance='per_sample': linear layer {name!r} is applied more than once")
                 layer_inputs[name], layer_outputs[name] = args[0], output
 
             return hook
@@ -468,11 +470,10 @@ class MASLearner(PerIterationConsolidationLearner):
         finally:
             for hook in hooks:
                 hook.remove()
-        output_gradients = torch.autograd.grad(
-            squared_output_norms, [layer_outputs[name] for name in self.linear_layers]
-        )
-        importance = {}
-        for (name, layer), output_gradient in zip(self.linear_layers.items(), output_gradients, strict=True):
+        used_layers = {name: layer for name, layer in self.linear_layers.items() if name in layer_outputs}
+        output_gradients = torch.autograd.grad(squared_output_norms, [layer_outputs[name] for name in used_layers])
+        importance = {name: torch.zeros_like(parameter) for name, parameter in self.trainable_parameters.items()}
+        for (name, layer), output_gradient in zip(used_layers.items(), output_gradients, strict=True):
             if output_gradient.dim() != 2:
                 raise ValueError(
                     f"importance='per_sample' needs each linear layer applied to (batch, features) inputs; "
@@ -483,7 +484,7 @@ class MASLearner(PerIterationConsolidationLearner):
             importance[prefix + "weight"] = abs_output_gradient.T @ layer_inputs[name].detach().abs() / len(x)
             if layer.bias is not None:
                 importance[prefix + "bias"] = abs_output_gradient.mean(dim=0)
-        return {name: importance[name] for name in self.trainable_parameters}
+        return {name: importance[name] for name in self.trainable_parameters}  # unused layers: zero
 
 
 class SILearner(BaselineLearner):
