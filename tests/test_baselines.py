@@ -157,7 +157,7 @@ def test_mas_importance_is_abs_gradient_of_squared_output_norm():
 
 
 def test_mas_per_sample_importance_is_mean_of_per_sample_abs_gradients():
-    """MAS paper, Eq. 2: Omega = (1/B) sum_n |grad ||f(x_n)||^2|, checked against one autograd call per sample."""
+    """The MAS paper's Omega = (1/B) sum_n |grad ||f(x_n)||^2|, checked against one autograd call per sample."""
     model = make_model()
     reference = copy.deepcopy(model)
     learner = MASLearner(model, lr=0.1, reg=1.0, importance="per_sample")

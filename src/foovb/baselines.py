@@ -421,12 +421,8 @@ class MASLearner(PerIterationConsolidationLearner):
             self.linear_layers = {
                 name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)
             }
-            in_linear_layers = {
-                f"{name}.{parameter_name}" if name else parameter_name
-                for name, layer in self.linear_layers.items()
-                for parameter_name, _ in layer.named_parameters(recurse=False)
-            }
-            others = sorted(set(self.trainable_parameters) - in_linear_layers)
+            in_linear_layers = {id(p) for layer in self.linear_layers.values() for p in layer.parameters(recurse=False)}
+            others = sorted(name for name, p in self.trainable_parameters.items() if id(p) not in in_linear_layers)
             if others:
                 raise ValueError(
                     f"importance='per_sample' supports models whose trainable parameters all belong to nn.Linear "
@@ -472,7 +468,7 @@ class MASLearner(PerIterationConsolidationLearner):
                 hook.remove()
         used_layers = {name: layer for name, layer in self.linear_layers.items() if name in layer_outputs}
         output_gradients = torch.autograd.grad(squared_output_norms, [layer_outputs[name] for name in used_layers])
-        importance = {name: torch.zeros_like(parameter) for name, parameter in self.trainable_parameters.items()}
+        importance_of: dict[int, Tensor] = {}  # by id of the parameter
         for (name, layer), output_gradient in zip(used_layers.items(), output_gradients, strict=True):
             if output_gradient.dim() != 2:
                 raise ValueError(
@@ -480,11 +476,13 @@ class MASLearner(PerIterationConsolidationLearner):
                     f"layer {name!r} got shape {tuple(layer_inputs[name].shape)}"
                 )
             abs_output_gradient = output_gradient.abs()
-            prefix = f"{name}." if name else ""
-            importance[prefix + "weight"] = abs_output_gradient.T @ layer_inputs[name].detach().abs() / len(x)
+            importance_of[id(layer.weight)] = abs_output_gradient.T @ layer_inputs[name].detach().abs() / len(x)
             if layer.bias is not None:
-                importance[prefix + "bias"] = abs_output_gradient.mean(dim=0)
-        return {name: importance[name] for name in self.trainable_parameters}  # unused layers: zero
+                importance_of[id(layer.bias)] = abs_output_gradient.mean(dim=0)
+        return {  # unused layers: zero
+            name: importance_of.get(id(parameter), torch.zeros_like(parameter))
+            for name, parameter in self.trainable_parameters.items()
+        }
 
 
 class SILearner(BaselineLearner):
