@@ -219,6 +219,35 @@ def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
     assert "repeat a seed" in capsys.readouterr().err
 
 
+def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monkeypatch) -> None:
+    run_dir, summary = finished_run
+    hand = tmp_path / "hand.csv"  # A_3 = (0.5 + 0.7 + 0.9) / 3, first task 0.9 -> 0.8 -> 0.5
+    hand.write_text("# task_0,task_1,task_2\n0.9,0.1,0.1\n0.8,0.95,0.1\n0.5,0.7,0.9\n")
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_average_accuracy", lambda curves, path: drawn.update(average=curves))
+    monkeypatch.setattr(plots, "plot_first_task_accuracy", lambda curves, path: drawn.update(first=curves))
+    saved = run_dir / "accuracy_matrix_mean.csv"
+    assert main(["plot", str(saved), str(hand), "--labels", "run", "by hand", "--out", str(tmp_path / "p")]) == 0
+    rows = list(csv.DictReader((tmp_path / "p" / "plotted.csv").read_text().splitlines()))
+    assert [r["label"] for r in rows] == ["run", "by hand"]
+    assert float(rows[0]["average_accuracy"]) == pytest.approx(summary["modes"]["mean"]["average_accuracy"], abs=1e-4)
+    assert float(rows[0]["first_task_accuracy"]) == pytest.approx(
+        summary["modes"]["mean"]["first_task_accuracy"], abs=1e-4)
+    assert float(rows[1]["average_accuracy"]) == pytest.approx(0.7, abs=1e-4)
+    np.testing.assert_allclose(drawn["average"]["by hand"][1], [0.9, 0.875, 0.7])
+    np.testing.assert_allclose(drawn["first"]["by hand"][1], [0.9, 0.8, 0.5])
+    np.testing.assert_array_equal(drawn["first"]["by hand"][0], [1, 2, 3])
+    assert main(["plot", str(hand), str(hand), "--out", str(tmp_path / "p2")]) == 2  # same default label
+    assert "labels must differ" in capsys.readouterr().err
+    assert main(["plot", str(hand), "--labels", "a", "b", "--out", str(tmp_path / "p3")]) == 2
+    assert "2 labels for 1 matrices" in capsys.readouterr().err
+    rectangular = tmp_path / "evaluations.csv"  # a continuous run's matrix: one row per evaluation
+    rectangular.write_text("0.9,0.1\n0.8,0.9\n0.7,0.9\n")
+    assert main(["plot", str(rectangular), "--out", str(tmp_path / "p4")]) == 2
+    assert "must be square" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "p5")]) == 2
+
+
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("scenario: {batch_size: -3}\n")

@@ -1,4 +1,5 @@
-"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]` and `foovb compare RUN_DIR...`."""
+"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]`, `foovb compare RUN_DIR...`
+and `foovb plot MATRIX_CSV...`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, config_from_dict, load_config
-from .metrics import ACCURACY_MODES
+from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 
 __all__ = ["build_parser", "main"]
 
@@ -115,6 +116,39 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    """Average-accuracy and first-task plots, and a table of their final values, from saved accuracy matrices
+    (`accuracy_matrix_<mode>.csv` of a run: one row per task end, one column per task)."""
+    from . import plots
+
+    paths = [Path(m) for m in args.matrices]
+    labels = args.labels or [p.stem.removesuffix("_accuracy_matrix_mean") for p in paths]
+    if len(labels) != len(paths):
+        print(f"foovb: error: --labels: {len(labels)} labels for {len(paths)} matrices", file=sys.stderr)
+        return 2
+    if len(set(labels)) < len(labels):
+        print(f"foovb: error: labels must differ, got {labels}", file=sys.stderr)
+        return 2
+    average_curves, first_curves, rows = {}, {}, []
+    for label, path in zip(labels, paths, strict=True):
+        try:
+            matrix = validate_accuracy_matrix(np.loadtxt(path, delimiter=",", ndmin=2))
+        except ValueError as error:
+            print(f"foovb: error: {path}: {error}", file=sys.stderr)
+            return 2
+        tasks = np.arange(1, matrix.shape[0] + 1)
+        average, first = average_accuracy(matrix), first_task_accuracy(matrix)
+        average_curves[label], first_curves[label] = (tasks, average), (tasks, first)
+        rows.append([label, str(path), matrix.shape[0], f"{average[-1]:.4f}", f"{first[-1]:.4f}"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_table(out, "plotted", ["label", "matrix", "tasks", "average_accuracy", "first_task_accuracy"], rows)
+    plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
+    plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
+    print(f"table (plotted.csv/.md) and plots in {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `foovb` argument parser (its subcommands carry their function in `func`)."""
     parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
@@ -136,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--plot-runs", nargs="+", metavar="NAME",
                        help="run directory names drawn in the plots (default all); the table always has every run")
     p_cmp.set_defaults(func=_compare)
+    p_plot = sub.add_parser("plot", help="average-accuracy and first-task plots from saved accuracy matrices")
+    p_plot.add_argument("matrices", nargs="+", metavar="MATRIX_CSV",
+                        help="accuracy_matrix_<mode>.csv files of runs (one row per task end, one column per task)")
+    p_plot.add_argument("--labels", nargs="+", metavar="LABEL",
+                        help="one legend label per matrix (default: the file names)")
+    p_plot.add_argument("--out", default="plot", help="where to write plotted.csv/.md and the plots")
+    p_plot.set_defaults(func=_plot)
     return parser
 
 
