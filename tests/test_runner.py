@@ -121,6 +121,15 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["threads"] == 1
 
 
+def test_consolidation_baseline_with_adam_resumes_exactly(tmp_path) -> None:
+    """The checkpoint carries the baseline's inner Adam state and its running importance, not only the weights."""
+    config = config_from_dict(quick(**{"learner.kind": "ewc_online",
+                                       "learner.params": "{lr: 0.001, reg: 10.0, optimizer: adam}", "threads": 1}))
+    uninterrupted = run(config, tmp_path / "full", progress=False)
+    assert run(config, tmp_path / "r", progress=False, stop_after=21) == {"interrupted_at": 21}
+    assert run(config, tmp_path / "r", resume=True, progress=False)["modes"] == uninterrupted["modes"]
+
+
 def test_device_resolution_and_errors(monkeypatch) -> None:
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
