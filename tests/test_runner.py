@@ -246,6 +246,8 @@ def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monke
     np.testing.assert_allclose(drawn["average"]["by hand"][1], [0.9, 0.875, 0.7])
     np.testing.assert_allclose(drawn["first"]["by hand"][1], [0.9, 0.8, 0.5])
     np.testing.assert_array_equal(drawn["first"]["by hand"][0], [1, 2, 3])
+    assert main(["plot", str(saved), str(hand), "--out", str(tmp_path / "p1")]) == 0
+    assert list(drawn["average"]) == [f"{run_dir.name} (mean)", "hand"]  # default labels
     assert main(["plot", str(hand), str(hand), "--out", str(tmp_path / "p2")]) == 2  # same default label
     assert "labels must differ" in capsys.readouterr().err
     assert main(["plot", str(hand), "--labels", "a", "b", "--out", str(tmp_path / "p3")]) == 2

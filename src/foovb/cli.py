@@ -116,13 +116,21 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _matrix_label(path: Path) -> str:
+    """A run directory's `accuracy_matrix_<mode>.csv` is named "<directory> (<mode>)"; a saved copy
+    `<name>_accuracy_matrix_mean.csv` is named "<name>"."""
+    if path.stem.startswith("accuracy_matrix_"):
+        return f"{path.parent.name} ({path.stem.removeprefix('accuracy_matrix_')})"
+    return path.stem.removesuffix("_accuracy_matrix_mean")
+
+
 def _plot(args: argparse.Namespace) -> int:
     """Average-accuracy and first-task plots, and a table of their final values, from saved accuracy matrices
     (`accuracy_matrix_<mode>.csv` of a run: one row per task end, one column per task)."""
     from . import plots
 
     paths = [Path(m) for m in args.matrices]
-    labels = args.labels or [p.stem.removesuffix("_accuracy_matrix_mean") for p in paths]
+    labels = args.labels or [_matrix_label(p) for p in paths]
     if len(labels) != len(paths):
         print(f"foovb: error: --labels: {len(labels)} labels for {len(paths)} matrices", file=sys.stderr)
         return 2
