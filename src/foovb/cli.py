@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_plot.add_argument("matrices", nargs="+", metavar="MATRIX_CSV",
                         help="accuracy_matrix_<mode>.csv files of runs (one row per task end, one column per task)")
     p_plot.add_argument("--labels", nargs="+", metavar="LABEL",
-                        help="one legend label per matrix (default: the file names)")
+                        help="one legend label per matrix (default: '<run directory> (<mode>)' for a run's "
+                             "accuracy_matrix_<mode>.csv, else the file name without _accuracy_matrix_mean)")
     p_plot.add_argument("--out", default="plot", help="where to write plotted.csv/.md and the plots")
     p_plot.set_defaults(func=_plot)
     return parser
