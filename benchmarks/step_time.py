@@ -132,7 +132,7 @@ def main() -> None:
     sequential = foovb_step_ms(x, y, "kronecker", 10, False, max(5, args.repeats // 3), sizes)
     print(f"| kronecker | 10 | {step:.2f} | {step / sgd:.1f} | {sequential:.2f} | {sequential / sgd:.1f} |")
     print(f"\nKronecker K=10 batched step: {step:.1f} ms, of which the UPDATE of all three layers "
-          f"(Lemma 1 for A and B, mean) {update:.1f} ms ({100 * update / step:.0f}%)")
+          f"(Lemma 2 for A and B, mean) {update:.1f} ms ({100 * update / step:.0f}%)")
     small = (64, 32, 10)
     xs = x[:, ::12][:, :64].contiguous()
     sgd_small = sgd_step_ms(xs, y, args.repeats, small)

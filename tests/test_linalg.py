@@ -24,8 +24,8 @@ def residual(x, m, t):
     return torch.linalg.norm(x @ x.T + m @ t @ x.T - m) / torch.linalg.norm(m)
 
 
-def lemma1_literal(m, t):
-    """X = D Q - 1/2 M T with D = B^(1/2), Q = S W^T from the SVD of D^-1 M T (the paper's Lemma 1)."""
+def lemma12_literal(m, t):
+    """X = D Q - 1/2 M T with D = B^(1/2), Q = S W^T from the SVD of D^-1 M T (the paper's Lemmas 1-2)."""
     d = sym_sqrt(m + 0.25 * m @ t @ t.T @ m)
     s, _, wh = torch.linalg.svd(torch.linalg.solve(d, m @ t))
     return d @ s @ wh - 0.5 * m @ t
@@ -71,12 +71,12 @@ def test_solution_ill_conditioned(cond):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_matches_literal_lemma1_construction(seed):
+def test_matches_literal_lemma12_construction(seed):
     g = make_generator(100 + seed)
     n = 5
     m = random_spd(n, g)
     t = torch.randn(n, n, generator=g, dtype=F64)
-    expected = lemma1_literal(m, t)
+    expected = lemma12_literal(m, t)
     assert residual(expected, m, t) < 1e-10  # the reference itself solves the equation
     torch.testing.assert_close(solve_fixed_point(m, t), expected, atol=1e-10, rtol=1e-10)
 
@@ -140,7 +140,7 @@ def test_scalar_case_is_the_diagonal_formula(v, e):
 
 @pytest.mark.parametrize("v, e", [(0.7, -0.3), (1.3, -2.0), (0.05, -40.0)])
 def test_scalar_case_negative_t_gives_the_other_root(v, e):
-    """For T < 0, Lemma 1 (h(s) <= 1) returns the negative root; |X| = v sqrt(1 + (v e/2)^2) + v^2 e/2 < v,
+    """For T < 0, Lemma 2's solution (h(s) <= 1) returns the negative root; |X| = v sqrt(1 + (v e/2)^2) + v^2 e/2 < v,
     whereas the diagonal family's formula v sqrt(...) - v^2 e / 2 would grow sigma (module docstring)."""
     x = solve_fixed_point(torch.tensor([[v * v]], dtype=F64), torch.tensor([[e]], dtype=F64)).item()
     assert x < 0
@@ -201,7 +201,7 @@ def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision()
 
 
 @pytest.mark.parametrize("rank", [1, 3, 5])
-def test_sqrt_update_dense_and_low_rank_give_lemma1_covariance(rank):
+def test_sqrt_update_dense_and_low_rank_give_lemma2_covariance(rank):
     g = make_generator(rank)
     n = 7
     a = random_sqrt(n, g)

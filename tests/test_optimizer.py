@@ -75,7 +75,7 @@ def randomize_factors(opt, gen, scale=0.3):
 @pytest.mark.parametrize(("mean_step", "cov_step"), [(1.0, 1.0), (0.3, 1.0), (1.0, 0.25)])
 def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, cov_step):
     """Record theta_k and g_k in the closure, recover eps_k = A^-1 (theta_k - mu) and recompute the update
-    from the paper's formulas (Lemma 1 via `solve_fixed_point`): exact up to round-off, nonlinear loss.
+    from the paper's formulas (Lemmas 1-2 via `solve_fixed_point`): exact up to round-off, nonlinear loss.
     mean_step and cov_step scale E[g] and E[g eps^T] (1 and 1 in the paper)."""
     model = mlp(seed=3, dtype=F64)
     x, y = mlp_batch()
@@ -264,7 +264,7 @@ def test_cov_momentum_averages_e_g_eps_over_steps():
 
 def test_cov_momentum_removes_the_shrinkage_that_noise_alone_causes():
     """Quadratic loss with a dense Hessian H, one antithetic pair per step: the estimate of E[g eps]_i is
-    sigma_i (H_ii eps_i^2 + sum_{j != i} H_ij eps_i eps_j), and the Lemma 1 root shrinks sigma by its absolute
+    sigma_i (H_ii eps_i^2 + sum_{j != i} H_ij eps_i eps_j), and the Lemma 2 root shrinks sigma by its absolute
     value, so the noise shrinks sigma below the noiseless trajectory sigma <- sigma h(sigma^2 H_ii). Averaging
     the estimate over steps (cov_momentum 0.5) removes most of that extra shrinkage (measured: sigma / noiseless
     0.977 without, 0.996 with, after 1000 steps)."""
@@ -608,6 +608,131 @@ def test_state_dict_round_trip_resumes_exactly(family, options):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_is_a_copy_in_both_directions(family):
+    """A state dict kept in memory is not changed by later steps, and two optimizers loaded from one dict
+    do not share their posteriors: resuming from it equals resuming from a file."""
+    model_a = mlp(seed=0)
+    opt_a = FOOVB(model_a, family, 3, seed=5)
+    _steps(model_a, opt_a, 0, 2)
+    saved, before = opt_a.state_dict(), posterior_snapshot(opt_a)
+    _steps(model_a, opt_a, 2, 2)
+    resumed = []
+    for _ in range(2):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 3, seed=1)
+        opt.load_state_dict(saved)
+        assert all_equal(posterior_snapshot(opt), before)
+        resumed.append((model, opt))
+    _steps(*resumed[0], 2, 2)
+    assert all_equal(posterior_snapshot(resumed[0][1]), posterior_snapshot(opt_a))
+    assert all_equal(posterior_snapshot(resumed[1][1]), before)  # untouched by its twin's steps
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by", "match"),
+    [
+        (("diagonal", 3), ("kronecker", 3), "posterior: saved 'diagonal', here 'kronecker'"),
+        (("full", 3), ("diagonal", 3), "posterior"),
+        (("diagonal", 4), ("diagonal", 2), "mc_samples: saved 4, here 2"),
+        (("diagonal", 3, {"antithetic": False}), ("diagonal", 4, {"antithetic": True}), "antithetic"),
+    ],
+)
+def test_load_state_dict_refuses_other_settings_and_changes_nothing(saved_by, loaded_by, match):
+    def build(family, k, options=None):
+        model = mlp(seed=0)
+        return model, FOOVB(model, family, k, seed=0, **(options or {}))
+
+    saved = build(*saved_by)[1].state_dict()
+    model, opt = build(*loaded_by)
+    x, y = mlp_batch()
+    opt.step(ce_closure(model, x, y))
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert all_equal(posterior_snapshot(opt), posterior)
+    assert all_equal(params_snapshot(model), params)
+    opt.step(ce_closure(model, x, y))  # still usable
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_state_dict_refuses_another_architecture(family):
+    saved = FOOVB(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)), family, 3, seed=0).state_dict()
+    with pytest.raises(ValueError, match="does not fit this model"):
+        FOOVB(mlp(), family, 3, seed=0).load_state_dict(saved)
+    with pytest.raises(ValueError, match="number of trainable parameters"):
+        FOOVB(nn.Linear(4, 3), family, 3, seed=0).load_state_dict(saved)
+    with pytest.raises(ValueError, match="not a FOOVB state dict"):
+        FOOVB(mlp(), family, 3).load_state_dict(torch.optim.SGD(mlp().parameters(), lr=0.1).state_dict())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_sizes_in_param_groups_are_the_ones_used(family):
+    """Changing mean_step / cov_step in param_groups (what a schedule does) equals building with them;
+    the structural hyperparameters cannot be changed there."""
+    models, opts = {}, {}
+    for tag in ("built", "changed"):
+        models[tag] = mlp(seed=0)
+        steps = {"mean_step": 0.3, "cov_step": 0.5} if tag == "built" else {}
+        opts[tag] = FOOVB(models[tag], family, 3, seed=4, **steps)
+    opts["changed"].param_groups[0].update(mean_step=0.3, cov_step=0.5)
+    for tag in opts:
+        _steps(models[tag], opts[tag], 0, 2)
+    assert all_equal(posterior_snapshot(opts["built"]), posterior_snapshot(opts["changed"]))
+    assert not all_equal(posterior_snapshot(opts["built"]), posterior_snapshot(FOOVB(mlp(seed=0), family, 3, seed=4)))
+    opt = opts["changed"]
+    x, y = mlp_batch()
+    opt.param_groups[0]["mc_samples"] = 5
+    with pytest.raises(ValueError, match="mc_samples.*fixed at construction"):
+        opt.step(ce_closure(models["changed"], x, y))
+    opt.param_groups[0]["mc_samples"] = 3
+    opt.param_groups[0]["mean_step"] = -1.0
+    with pytest.raises(ValueError, match="mean_step"):
+        opt.step_batched(x, y)
+    with pytest.raises(ValueError, match="parameter groups cannot be added"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_posterior_view_is_a_snapshot(family):
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 3, seed=0)
+    view = opt.posterior(model[0].weight)
+    mean, std = view.mean.clone(), view.std.clone()
+    view.std.mul_(0)
+    view.mean.add_(1)
+    assert torch.equal(opt.posterior(model[0].weight).std, std)
+    _steps(model, opt, 0, 1)
+    after = opt.posterior(model[0].weight)
+    assert not torch.equal(after.mean, mean) and torch.equal(view.mean, mean + 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_closure_must_backpropagate_and_return_the_loss(family):
+    model = mlp()
+    opt = FOOVB(model, family, 3, seed=0)
+    x, y = mlp_batch()
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step(lambda: F.cross_entropy(model(x), y, reduction="sum"))
+    with pytest.raises(TypeError, match="loss tensor, got NoneType"):
+        opt.step(lambda: ce_closure(model, x, y)() and None)
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
+    assert opt.steps_taken == 0
+    with pytest.raises(ValueError, match="loss_reduction='mean' only"):
+        opt.step(ce_closure(model, x, y), batch_size=len(x))  # a summed loss is not rescaled
+    with pytest.raises(ValueError, match="empty batch"):
+        opt.step_batched(x[:0], y[:0])
+
+
+def test_sparse_gradients_are_refused():
+    model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Flatten(), nn.Linear(6, 3))
+    opt = FOOVB(model, "diagonal", 2, seed=0)
+    ids, y = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="sparse gradients"):
+        opt.step(ce_closure(model, ids, y))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_seeded_runs_reproducible_and_seeds_matter(family):
     runs = {}
     for tag, seed in (("a", 3), ("b", 3), ("c", 4)):
@@ -648,6 +773,10 @@ BAD_KWARGS = [
     ("cov_momentum", {"cov_momentum": -0.1}),
     ("cov_momentum", {"cov_momentum": 1.0}),
     ("cov_momentum", {"cov_momentum": float("nan")}),
+    ("std_init", {"std_init": "0.1"}),
+    ("std_init", {"std_init": 1e300}),
+    ("max_full_params", {"max_full_params": float("nan")}),
+    ("seed", {"seed": 1.5}),
 ]
 
 
@@ -753,14 +882,49 @@ def test_closure_exception_propagates_and_restores_mean(family):
     assert all_equal(posterior_snapshot(opt), posterior)
 
 
-@pytest.mark.parametrize("layer", [nn.LayerNorm(6), nn.BatchNorm1d(6)], ids=lambda m: type(m).__name__)
-def test_batched_path_rejects_unsupported_modules(layer):
-    model = nn.Sequential(nn.Linear(4, 6), layer, nn.Linear(6, 3))
+class _ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 10.0 * super().forward(x)
+
+
+class _PerToken(nn.Module):
+    """An MLP applied to each of 2 tokens: the first Linear sees 2 r rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x):
+        return self.body(x.reshape(-1, 4)).reshape(len(x), -1)
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        (nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), "LayerNorm"),
+        (nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)), "BatchNorm1d"),
+        (nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.Linear(6, 3)), "batch statistics"),
+        (nn.Sequential(_ScaledLinear(4, 6), nn.ReLU(), nn.Linear(6, 3)), "_ScaledLinear has its own forward"),
+    ],
+    ids=["LayerNorm", "BatchNorm1d", "BatchNorm1d-no-affine", "subclass-forward"],
+)
+def test_batched_path_rejects_what_it_would_compute_differently(model, match):
     opt = FOOVB(model, "diagonal", 2, seed=0)
     x, y = mlp_batch()
-    with pytest.raises(ValueError, match=type(layer).__name__):
+    with pytest.raises(ValueError, match=match):
         opt.step_batched(x, y)
     opt.step(ce_closure(model, x, y))  # the sequential path handles it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_path_rejects_a_model_that_reshapes_the_batch(family):
+    """With K = 2 the first layer's 2 r rows look like 2 stacked samples: refused, not misread."""
+    model = _PerToken()
+    opt = FOOVB(model, family, 2, seed=0)
+    x, y = torch.randn(4, 8), torch.randint(6, (4,))
+    with pytest.raises(ValueError, match="first layer got 8 rows, the batch has 4"):
+        opt.step_batched(x, y)
+    opt.step(ce_closure(model, x, y))
 
 
 def test_step_batched_exception_restores_module_forward():
@@ -911,7 +1075,7 @@ def test_diagonal_sigma_monotone_in_curvature(sign):
         previous = std
 
 
-def test_std_growth_none_takes_lemma1_root_and_capped_stops_at_the_prior():
+def test_std_growth_none_takes_lemma2_root_and_capped_stops_at_the_prior():
     """std_growth="none": sigma <- sigma h(|sigma E[g eps]|). Flipping the sign of a quadratic loss flips E[g eps]
     exactly (same noise), so the std after one step is the same for L and -L, below the prior, and equal to the
     paper's formula on the convex side. "paper" grows sigma on the concave side; "capped" stops it at std_init."""
@@ -933,7 +1097,7 @@ def test_std_growth_none_takes_lemma1_root_and_capped_stops_at_the_prior():
 
 
 def test_std_growth_none_diagonal_equals_full_family_on_one_weight():
-    """For a single weight the full family's Lemma 1 solution is the diagonal update with std_growth="none",
+    """For a single weight the full family's Lemma 2 solution is the diagonal update with std_growth="none",
     on a loss with negative curvature too (the paper's diagonal closed form grows sigma there)."""
     stds = {}
     for family, growth in (("full", "paper"), ("diagonal", "none"), ("diagonal", "paper")):

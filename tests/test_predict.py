@@ -111,6 +111,9 @@ def test_predict_uses_eval_mode_and_restores_it():
     with pytest.raises(RuntimeError, match="output_fn failed"):
         predict(opt, x, K, output_fn=failing)
     assert model.training
+    model[2].eval()  # mixed modes (e.g. a frozen dropout) are restored module by module
+    predict(opt, x, K)
+    assert [m.training for m in model.modules()] == [True, True, True, False, True]
 
 
 def test_custom_output_fn_and_invalid_sample_count():
@@ -120,6 +123,8 @@ def test_custom_output_fn_and_invalid_sample_count():
     torch.testing.assert_close(pred.samples.exp().sum(-1), torch.ones(K, x.shape[0]))
     with pytest.raises(ValueError, match="num_samples"):
         sample_probabilities(opt, x, 0)
+    with pytest.raises(ValueError, match="num_samples"):
+        predict(opt, x, -3)
 
 
 def _layernorm_model():
@@ -152,7 +157,7 @@ def test_batched_and_fallback_prediction_paths_draw_the_same_networks(monkeypatc
     x, _ = mlp_batch(seed=5)
     batched = sample_probabilities(opt, x, K, seed=10)
 
-    def unsupported(blocks):
+    def unsupported(blocks, model):
         raise ValueError("forced fallback")
 
     monkeypatch.setattr(predict_module, "check_batched_support", unsupported)

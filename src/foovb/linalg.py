@@ -5,11 +5,12 @@ solution X of the quadratic matrix equation (paper, Eq. "Matrix equation" of Lem
 
     X X^T + M T X^T - M = 0,        M = M^T > 0.
 
-Lemma 1 gives X = D Q - 1/2 M T with D = (M + 1/4 M T T^T M)^(1/2) and Q = S W^T from the SVD of D^-1 M T.
-Computing D^-1 is unstable when B = M + 1/4 M T T^T M is ill-conditioned (the reason for the paper's Lemma 2).
+Lemma 1 gives the solutions X = D Q - 1/2 M T with D = (M + 1/4 M T T^T M)^(1/2), and Lemma 2 picks
+Q = S W^T from the SVD of D^-1 M T.
+Computing D^-1 is unstable when B = M + 1/4 M T T^T M is ill-conditioned (the reason for the paper's Lemma 3).
 We use an equivalent route that never inverts an ill-conditioned matrix:
 
-* Lemma 1 does not depend on which square root of B is used as D: if D' = D O (O orthogonal), the SVD of
+* Lemma 2's solution does not depend on which square root of B is used as D: if D' = D O (O orthogonal), the SVD of
   D'^-1 M T has left singular vectors O^T S, so D' Q' = D Q and X is unchanged.
 * With any square root A of M (M = A A^T) and N = A^T T, the square root D' = A (I + 1/4 N N^T)^(1/2)
   gives, with the SVD N = U s W^T,
@@ -25,7 +26,7 @@ vectors of N. When T has rank r < n (T = L^T C, L, C: r x n), N = (L A)^T C and 
 and the left singular pairs of an r x n matrix: O(n^2 r) instead of dense O(n^3) decompositions (see
 `sqrt_covariance_update`).
 
-A property worth knowing (tested): h(s) <= 1, so Lemma 1 never increases the covariance
+A property worth knowing (tested): h(s) <= 1, so Lemma 2's solution never increases the covariance
 (Sigma_new <= Sigma_old in the Loewner order). The diagonal family's closed form (Eq. "diagonal implicit
 solution") takes the positive root instead and does increase sigma where E[g eps] < 0; the two agree
 whenever T is symmetric positive semi-definite in the frame of A.
@@ -52,7 +53,7 @@ def _check_finite(name: str, value: Tensor) -> None:
 
 
 def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float = 1e-8) -> Tensor:
-    """Solve X X^T + M T X^T - M = 0 for X (Lemma 1), stably.
+    """Solve X X^T + M T X^T - M = 0 for X (Lemma 2's solution), stably.
 
     Args:
         M: symmetric positive definite (N, N) matrix (the prior covariance V in the paper).
@@ -61,8 +62,8 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float = 1e-8) -> Te
 
     Returns:
         X (N, N), nonsingular, in the dtype of M. Computed in float64 as X = A U h(s) W^T, where M = A A^T
-        (symmetric eigendecomposition) and N = A^T T = U s W^T; this equals Lemma 1's D Q - 1/2 M T
-        (module docstring), without inverting the possibly ill-conditioned D (the role of Lemma 2).
+        (symmetric eigendecomposition) and N = A^T T = U s W^T; this equals Lemma 2's D Q - 1/2 M T
+        (module docstring), without inverting the possibly ill-conditioned D (the role of Lemma 3).
 
     Raises:
         ValueError: non-square or mismatched shapes, NaN/Inf input, M not symmetric or not positive
@@ -169,7 +170,7 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
 
     Given the prior's square root A (V = A A^T) and T = E[g eps^T] (or the matrix-variate E2 / E3), returns
     A_new = A (I + U (h(s) - 1) U^T) where U, s are the left singular vectors / values of N = A^T T.
-    A_new A_new^T = X X^T for Lemma 1's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
+    A_new A_new^T = X X^T for Lemma 2's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
     posterior is the paper's. Uses a thin QR and the left singular pairs of an r x n matrix in O(n^2 r) when T
     is low rank, those of N otherwise (`left_singular_pairs`). The decompositions run in `dtype` (float64);
     the O(n^2 r) products in A's own dtype, whose precision is that of the stored factor anyway. For a float32

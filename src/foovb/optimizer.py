@@ -41,6 +41,25 @@ def _mix(*values: int) -> int:
 
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
+MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
+# Hyperparameters in `param_groups` that a step reads (they may be changed between steps, e.g. by a schedule)
+STEP_SIZES = ("mean_step", "cov_step")
+# Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them
+FIXED = ("posterior", "mc_samples", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_step_sizes(mean_step: object, cov_step: object) -> None:
+    for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
+        if not (_is_real(step) and math.isfinite(step) and step > 0):
+            raise ValueError(f"{name} must be positive and finite, got {step!r}")
 
 
 class FOOVB(torch.optim.Optimizer):
@@ -59,7 +78,7 @@ class FOOVB(torch.optim.Optimizer):
             alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest.
         mean_step: multiplier eta of the mean update mu <- mu - eta Sigma E[g]. The paper uses 1;
             other values are an extension.
-        cov_step: multiplier beta of E[g eps^T] in the covariance update (Lemma 1; for the diagonal family
+        cov_step: multiplier beta of E[g eps^T] in the covariance update (Lemmas 1-2; for the diagonal family
             sigma <- sigma sqrt(1 + (beta sigma E[g eps] / 2)^2) - beta sigma^2 E[g eps] / 2): the fixed point
             of the covariance for the likelihood raised to the power beta, the mean update unchanged. The paper
             uses 1. With E passes over the same data (epochs), beta = 1/E counts each example once in the
@@ -79,18 +98,18 @@ class FOOVB(torch.optim.Optimizer):
             free of the gradient at the mean, usually the largest noise term. It matters most for the matrix
             families, whose covariance that noise only shrinks (an extension; the paper draws the samples
             independently).
-        std_growth: how the diagonal family's sigma may grow (the matrix families never grow: Lemma 1).
+        std_growth: how the diagonal family's sigma may grow (the matrix families never grow: Lemma 2's solution).
             "paper": the closed form of Eq. "diagonal implicit solution", which raises sigma where
             E[g eps] < 0; a noisy negative estimate early in training can inflate sigma, and with it the step
             sigma^2 E[g], by orders of magnitude in one step. "capped": the same, but never above the
-            initial std. "none": the root that Lemma 1's solution takes for the matrix families,
+            initial std. "none": the root that Lemma 2's solution takes for the matrix families,
             sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so sigma never grows.
             "capped" and "none" are extensions.
         cov_momentum: rho in [0, 1). With rho > 0 the diagonal family's sigma update uses an exponential moving
             average over steps of its E[g eps] estimates, m <- rho m + (1 - rho) E[g eps] (started at the first
             estimate), in place of the current one; the mean update is unchanged. Each step's estimate from K
             samples is noisy (with antithetic pairs, mostly the other weights' curvature: sum_j H_ij eps_i eps_j),
-            and the Lemma 1 root ("none") shrinks sigma by |sigma E[g eps]|, so that noise alone shrinks sigma;
+            and the Lemma 2 root ("none") shrinks sigma by |sigma E[g eps]|, so that noise alone shrinks sigma;
             the average over about 1 / (1 - rho) steps, while sigma moves little, leaves less of it. On permuted
             MNIST that hurt (README): there the noise-driven shrinkage acts as memory. 0 is the paper (an
             extension; applies to diagonal blocks, including the other families' fallback tensors).
@@ -120,15 +139,16 @@ class FOOVB(torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if posterior not in FAMILIES:
             raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+        if not _is_integer(mc_samples) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
-        if not (math.isfinite(std_init) and std_init > 0):
-            raise ValueError(f"std_init must be positive and finite, got {std_init!r}")
+        for name, value in (("std_init", std_init), ("alpha", alpha), ("cov_momentum", cov_momentum)):
+            if not _is_real(value):
+                raise ValueError(f"{name} must be a real number, got {value!r}")
+        if not (math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
+            raise ValueError(f"std_init must be in (0, {MAX_STD_INIT}], got {std_init!r}")
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
-            if not (math.isfinite(step) and step > 0):
-                raise ValueError(f"{name} must be positive and finite, got {step!r}")
+        _check_step_sizes(mean_step, cov_step)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         if init not in INITS:
@@ -139,8 +159,10 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
         if not 0 <= cov_momentum < 1:
             raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
-        if max_full_params < 1:
-            raise ValueError(f"max_full_params must be positive, got {max_full_params!r}")
+        if not _is_integer(max_full_params) or max_full_params < 1:
+            raise ValueError(f"max_full_params must be a positive integer, got {max_full_params!r}")
+        if seed is not None and not _is_integer(seed):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
@@ -148,10 +170,9 @@ class FOOVB(torch.optim.Optimizer):
                         mean_step=mean_step, cov_step=cov_step, loss_reduction=loss_reduction, antithetic=antithetic,
                         std_growth=std_growth, cov_momentum=cov_momentum)
         super().__init__(params, defaults)
+        self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
         self._mc_samples = mc_samples
-        self.mean_step = mean_step
-        self.cov_step = cov_step
         self.loss_reduction = loss_reduction
         self.antithetic = antithetic
         self.std_growth = std_growth
@@ -177,6 +198,31 @@ class FOOVB(torch.optim.Optimizer):
     def mc_samples(self) -> int:
         """K, Monte Carlo samples per step (fixed at construction)."""
         return self._mc_samples
+
+    @property
+    def mean_step(self) -> float:
+        """eta, read from `param_groups[0]["mean_step"]` at every step (a schedule may change it)."""
+        return self.param_groups[0]["mean_step"]
+
+    @property
+    def cov_step(self) -> float:
+        """beta, read from `param_groups[0]["cov_step"]` at every step (a schedule may change it)."""
+        return self.param_groups[0]["cov_step"]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "blocks"):
+            raise ValueError("FOOVB keeps one posterior over the model it was built with; parameter groups "
+                             "cannot be added (build the optimizer on a model that holds all the parameters)")
+        super().add_param_group(param_group)
+
+    def _check_param_groups(self) -> None:
+        """The hyperparameters a step reads: step sizes valid, structural ones unchanged since construction."""
+        group = self.param_groups[0]
+        for key, value in self._fixed.items():
+            if group[key] != value:
+                raise ValueError(f"param_groups[0][{key!r}] was changed from {value!r} to {group[key]!r}; it is "
+                                 "fixed at construction (build a new FOOVB); only mean_step and cov_step may change")
+        _check_step_sizes(group["mean_step"], group["cov_step"])
 
     # -- construction ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -307,8 +353,20 @@ class FOOVB(torch.optim.Optimizer):
                 param.copy_(value[0])
 
     # -- training --------------------------------------------------------------------------------------------
+    def _check_gradients(self) -> None:
+        """After a closure: some parameter received a dense gradient (else the step would silently do nothing)."""
+        grads = [p.grad for block in self.blocks for p in block.params if p.grad is not None]
+        if not grads:
+            raise RuntimeError("no parameter received a gradient: the closure must call loss.backward() "
+                               "(and the loss must depend on the parameters)")
+        if any(g.is_sparse for g in grads):
+            raise ValueError("sparse gradients are not supported (e.g. nn.Embedding(sparse=True)); use dense ones")
+
     def _grad_scale(self, batch_size: int | None) -> float:
         if self.loss_reduction == "sum":
+            if batch_size is not None:
+                raise ValueError("batch_size rescales a mean loss: it is used with loss_reduction='mean' only; "
+                                 "with 'sum' the closure must return the summed loss")
             return 1.0
         if batch_size is None or batch_size < 1:
             raise ValueError("loss_reduction='mean' needs step(closure, batch_size=...) to rescale the "
@@ -323,6 +381,7 @@ class FOOVB(torch.optim.Optimizer):
         """
         if closure is None:
             raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss")
+        self._check_param_groups()
         grad_scale = self._grad_scale(batch_size)
         seed = self._next_seed()
         stats = {block: block.new_statistics() for block in self.blocks}
@@ -335,7 +394,11 @@ class FOOVB(torch.optim.Optimizer):
                     for p in block.params:
                         p.grad = None
                 with torch.enable_grad():
-                    losses.append(float(closure().detach()))
+                    loss = closure()
+                if not isinstance(loss, Tensor):
+                    raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                losses.append(float(loss.detach()))
+                self._check_gradients()
                 for block in self.blocks:
                     grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
                              for p in block.params]
@@ -357,12 +420,15 @@ class FOOVB(torch.optim.Optimizer):
         """
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
-        check_batched_support(self.blocks)
+        self._check_param_groups()
+        check_batched_support(self.blocks, self.model)
         if loss_fn is None:
             loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=self.loss_reduction)  # noqa: E731
         rows = inputs.shape[0]
         if targets.shape[0] != rows:
             raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
+        if rows == 0:
+            raise ValueError("empty batch: step_batched needs at least one row")
         shard = self.sample_shard
         chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
         seed = self._next_seed()
@@ -418,11 +484,19 @@ class FOOVB(torch.optim.Optimizer):
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The posterior, the noise generator and the hyperparameters. The tensors are copies: later steps do
+        not change a saved state dict."""
         state = super().state_dict()
+        state["state"] = {index: {key: value.clone() for key, value in param_state.items()}
+                          for index, param_state in state["state"].items()}
         state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
+        (checked before anything changes). mean_step and cov_step are taken from it, as torch optimizers do
+        with their learning rates. The tensors are copied."""
+        self._check_loadable(state_dict)
         state_dict = dict(state_dict)
         extra = state_dict.pop("foovb")
         super().load_state_dict(state_dict)
@@ -431,7 +505,32 @@ class FOOVB(torch.optim.Optimizer):
         for block in self.blocks:
             loaded = self.state[block.params[0]]
             block.state.clear()
-            block.state.update(loaded)
+            block.state.update({key: value.clone() for key, value in loaded.items()})
             self.state[block.params[0]] = block.state
         self.load_mean_into_model()
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
+            raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(self.param_groups[0]["params"]):
+            raise ValueError("the state dict was saved for a model with another number of trainable parameters")
+        changed = {key: (groups[0].get(key), value) for key, value in self._fixed.items()
+                   if groups[0].get(key) != value}
+        if changed:
+            details = ", ".join(f"{key}: saved {saved!r}, here {here!r}" for key, (saved, here) in changed.items())
+            raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); "
+                             "build the optimizer with the saved settings")
+        _check_step_sizes(groups[0]["mean_step"], groups[0]["cov_step"])
+        index = {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}
+        for block in self.blocks:
+            saved = state_dict["state"].get(index[id(block.params[0])], {})
+            for key, value in block.state.items():
+                if key in block.optional_state:
+                    continue
+                if key not in saved or tuple(saved[key].shape) != tuple(value.shape):
+                    found = tuple(saved[key].shape) if key in saved else "missing"
+                    raise ValueError(f"the state dict does not fit this model: the {block.family} posterior of "
+                                     f"a {tuple(block.params[0].shape)} parameter needs {key!r} of shape "
+                                     f"{tuple(value.shape)}, found {found}")
 

@@ -34,7 +34,8 @@ __all__ = [
 @dataclass(frozen=True)
 class PosteriorView:
     """The posterior of one parameter tensor: `mean` and marginal `std` in the parameter's shape, and
-    `covariance()`, the dense covariance of `param.flatten()` (numel x numel; for small parameters)."""
+    `covariance()`, the dense covariance of `param.flatten()` (numel x numel; for small parameters).
+    A snapshot: copies, unchanged by later steps, and changing them does not change the optimizer."""
 
     mean: Tensor
     std: Tensor
@@ -55,6 +56,7 @@ class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
     family: str
+    optional_state: tuple[str, ...] = ()  # state entries that appear only after the first update
 
     def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None):
         self.params = tuple(params)
@@ -99,6 +101,7 @@ class DiagonalBlock(PosteriorBlock):
     """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
 
     family = "diagonal"
+    optional_state = ("grad_noise_average",)
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
                  std_growth: str = "paper", cov_momentum: float = 0.0):
@@ -139,7 +142,7 @@ class DiagonalBlock(PosteriorBlock):
                 grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
         # mu <- mu - eta sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
         self.state["mean"].sub_(mean_step * std.square() * grad_mean)
-        if self.std_growth == "none":  # Lemma 1's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
+        if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale((std * grad_noise_mean).abs()))
         else:
             std.mul_(signed_root_scale(std * grad_noise_mean))
@@ -150,8 +153,8 @@ class DiagonalBlock(PosteriorBlock):
         return [self.state["mean"]]
 
     def view(self, index: int) -> PosteriorView:
-        std = self.state["std"]
-        return PosteriorView(self.state["mean"], std, lambda: torch.diag(std.flatten().square()))
+        std = self.state["std"].clone()
+        return PosteriorView(self.state["mean"].clone(), std, lambda: torch.diag(std.flatten().square()))
 
 
 class KroneckerBlock(PosteriorBlock):
@@ -235,7 +238,7 @@ class KroneckerBlock(PosteriorBlock):
         e1 = stats["psi_sum"] / num_samples
         e2 = stats["psi_b_phi"].scaled(cov_step / (p * num_samples))  # mean (1/p) Psi^T B Phi
         e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))  # mean (1/n) Psi A Phi^T
-        # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemma 1)
+        # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2)
         mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
         self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
         self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
@@ -247,7 +250,7 @@ class KroneckerBlock(PosteriorBlock):
         a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
         variance = torch.outer(b.square().sum(1), a.square().sum(1))  # Var(W_ij) = Sigma2_ii Sigma1_jj
         std = self.split(variance.sqrt())[index]
-        mean = self.mean_values()[index]
+        mean = self.mean_values()[index].clone()
 
         def covariance() -> Tensor:
             sigma_in, sigma_out = a @ a.T, b @ b.T
@@ -295,7 +298,7 @@ class FullBlock(PosteriorBlock):
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a = self.state["sqrt_cov"]
-        # mu <- mu - A A^T E1;  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemma 1)
+        # mu <- mu - A A^T E1;  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2)
         self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
         self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
 
@@ -308,7 +311,7 @@ class FullBlock(PosteriorBlock):
         rows = slice(start, start + self.sizes[index])
         shape = self.params[index].shape
         std = a[rows].square().sum(1).sqrt().reshape(shape)
-        return PosteriorView(self.mean_values()[index], std, lambda: a[rows] @ a[rows].T)
+        return PosteriorView(self.mean_values()[index].clone(), std, lambda: a[rows] @ a[rows].T)
 
 
 FAMILIES = ("diagonal", "kronecker", "full")

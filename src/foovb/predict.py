@@ -28,15 +28,18 @@ def _softmax(logits: Tensor) -> Tensor:
 
 
 class _EvalMode:
+    """Eval mode inside the block; every submodule's own mode restored after it."""
+
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __enter__(self) -> None:
-        self.was_training = self.model.training
+        self.modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
 
     def __exit__(self, *exc: object) -> None:
-        self.model.train(self.was_training)
+        for module, training in self.modes:
+            module.training = training
 
 
 @torch.no_grad()
@@ -54,7 +57,7 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     model, rows = optimizer.model, inputs.shape[0]
     with _EvalMode(model):
         try:
-            check_batched_support(optimizer.blocks)
+            check_batched_support(optimizer.blocks, model)
         except ValueError:  # one network at a time, the same draws as the batched route
             noises = optimizer.draw_noise(seed, range(num_samples))
             outputs = []
@@ -83,6 +86,8 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
 def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int = 0,
             chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Predictions:
     """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0."""
+    if num_samples < 0:
+        raise ValueError(f"num_samples must be 0 (posterior mean only) or positive, got {num_samples}")
     model = optimizer.model
     with _EvalMode(model):
         mean = output_fn(model(inputs))

@@ -32,8 +32,11 @@ __all__ = ["SampledNetwork", "check_batched_support"]
 SUPPORTED = (nn.Linear, nn.Conv2d)
 
 
-def check_batched_support(blocks: Sequence[PosteriorBlock]) -> None:
-    """Raise a clear error if some parameter is not in an nn.Linear / nn.Conv2d module."""
+def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | None = None) -> None:
+    """Raise a clear error if the batched path would compute something else than the sequential one: a
+    parameter outside nn.Linear / nn.Conv2d, a forward of such a module other than torch's own (it is
+    replaced by the batched one), or a module of `model` that mixes the rows of a batch (batch norm using
+    batch statistics: the stacked samples would share them)."""
     bad = sorted({type(b.module).__name__ if b.module is not None else "<no module>" for b in blocks
                   if not isinstance(b.module, SUPPORTED)})
     if bad:
@@ -41,9 +44,17 @@ def check_batched_support(blocks: Sequence[PosteriorBlock]) -> None:
             f"the batched Monte Carlo path supports parameters of nn.Linear and nn.Conv2d only, found "
             f"parameters in {', '.join(bad)}; use the sequential path FOOVB.step(closure) for this model"
         )
-    for block in blocks:
-        if isinstance(block.module, nn.Conv2d) and block.module.padding_mode != "zeros":
+    for module in {b.module for b in blocks}:
+        base = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
+        if type(module).forward is not base.forward or "forward" in vars(module):
+            raise ValueError(f"{type(module).__name__} has its own forward, which the batched Monte Carlo path "
+                             f"would replace by {base.__name__}'s; use FOOVB.step(closure) for this model")
+        if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
             raise ValueError("the batched Monte Carlo path supports Conv2d with padding_mode='zeros' only")
+    for module in [] if model is None else model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or not module.track_running_stats):
+            raise ValueError(f"{type(module).__name__} normalises with batch statistics, which the stacked samples "
+                             "of the batched Monte Carlo path would share; use FOOVB.step(closure) for this model")
 
 
 def _unstack(y: Tensor, c: int, r: int) -> Tensor:
@@ -55,8 +66,9 @@ class _Layer:
     """Patched forward of one module with its blocks' samples for the current chunk."""
 
     def __init__(self, module: nn.Module, blocks: list[PosteriorBlock], noises: list[Tensor], c: int, r: int,
-                 track_grad: bool):
+                 track_grad: bool, calls: list[nn.Module]):
         self.module, self.blocks, self.noises, self.c, self.r = module, blocks, noises, c, r
+        self.calls = calls  # the layers called so far in this pass, shared by all layers of the network
         self.factored = isinstance(module, nn.Linear) and isinstance(blocks[0], KroneckerBlock)
         self.saved: dict[str, Tensor] = {}
         if not self.factored:
@@ -73,6 +85,12 @@ class _Layer:
         self.track_grad = track_grad
 
     def layout_is_shared(self, x: Tensor) -> bool:
+        first = not self.calls
+        self.calls.append(self.module)
+        if first and x.shape[0] != self.r:  # nothing sampled has run yet: this must be the batch itself
+            raise ValueError(f"the first layer got {x.shape[0]} rows, the batch has {self.r}: the batched Monte "
+                             "Carlo path tells shared from stacked activations by their rows, so the model must "
+                             "keep the batch dimension; use FOOVB.step(closure) for this model")
         if x.shape[0] == self.c * self.r:
             return False
         if x.shape[0] == self.r:
@@ -192,7 +210,8 @@ class SampledNetwork:
 
     def __init__(self, modules: dict[nn.Module, list[PosteriorBlock]], noises: dict[PosteriorBlock, Tensor],
                  c: int, r: int, track_grad: bool):
-        self.layers = [_Layer(module, blocks, [noises[b] for b in blocks], c, r, track_grad)
+        calls: list[nn.Module] = []
+        self.layers = [_Layer(module, blocks, [noises[b] for b in blocks], c, r, track_grad, calls)
                        for module, blocks in modules.items()]
 
     def __enter__(self) -> SampledNetwork:
