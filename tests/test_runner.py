@@ -14,7 +14,7 @@ import yaml
 from foovb import plots
 from foovb.cli import main
 from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
-from foovb.runner import experiment_key, resolve_device, run
+from foovb.runner import experiment_key, resolve_device, run, tasks_seen
 
 QUICK = {
     "name": "quick",
@@ -48,6 +48,14 @@ def quick(**changes) -> dict:
         ({"scenario.eval_every": 5}, "scenario.eval_every"),
         ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.joint": "true",
           "scenario.train_subset": "null"}, "scenario.joint"),
+        ({"scenario.kind": "continuous_permuted_mnist", "scenario.train_subset": "null"}, "scenario.epochs_per_task"),
+        ({"scenario.iterations_per_task": 10}, "scenario.iterations_per_task"),
+        ({"scenario.datasets": "[mnist]"}, "scenario.datasets"),
+        ({"model.kind": "lenet"}, "model.hidden"),
+        ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.train_subset": "null",
+          "scenario.num_tasks": 3, "scenario.datasets": "[mnist, fashion_mnist]"}, "scenario.num_tasks"),
+        ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.train_subset": "null",
+          "scenario.datasets": "[mnist, fashoin_mnist]"}, "scenario.datasets: unknown dataset 'fashoin_mnist'"),
     ],
 )
 def test_bad_config_names_the_key(change: dict, key: str) -> None:
@@ -65,11 +73,42 @@ def test_overrides_and_yaml_file(tmp_path) -> None:
         load_config(tmp_path / "missing.yaml")
 
 
-def test_bad_learner_hyperparameter_fails_before_training(tmp_path) -> None:
-    config = config_from_dict(quick(**{"learner.params.mc_sample": 3}))
-    with pytest.raises(ValueError, match="mc_sample"):
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"learner.params.mc_sample": 3}, "learner.params: .*mc_sample"),
+        ({"learner.kind": "foo"}, "learner.kind: unknown learner 'foo'"),
+        ({"learner.params.std_init": "abc"}, "learner.params: std_init must be a real number"),
+        ({"learner.params.eval_samples": 2.5}, "learner.params: eval_samples must be an integer"),
+        ({"learner.params.chunk_size": 0}, "learner.params: chunk_size"),
+        ({"learner.params.seed": 5}, "learner.params.seed: set by the runner"),
+        ({"learner.kind": "sgd", "learner.params": "{lr: abc}"}, "learner.params: lr must be a number"),
+        ({"learner.kind": "si", "learner.params": "{}"}, "learner.kind: 'si' needs task ids"),
+    ],
+)
+def test_bad_learner_config_fails_before_anything_is_written(tmp_path, change, match) -> None:
+    config = config_from_dict(quick(**change))
+    with pytest.raises(ConfigError, match=match):
         run(config, tmp_path / "run", progress=False)
-    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_directory_with_an_unfinished_run_is_not_reused_without_resume(tmp_path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(quick()))
+    run_dir = tmp_path / "r"
+    assert run(config_from_dict(quick()), run_dir, progress=False, stop_after=9) == {"interrupted_at": 9}
+    saved = (run_dir / "config.yaml").read_text()
+    # another config into the same directory: refused, the unfinished run left as it was (still resumable)
+    assert main(["run", str(config), "--set", "learner.params.mc_samples=2", "--out", str(run_dir),
+                 "--no-progress"]) == 2
+    assert "unfinished run" in capsys.readouterr().err
+    assert main(["run", str(config), "--set", "learner.params.mc_samples=2", "--out", str(run_dir),
+                 "--resume", "--no-progress"]) == 2
+    assert "--resume: the config differs" in capsys.readouterr().err
+    assert main(["run", str(config), "--set", "learner.params={mc_samples: 2", "--out", str(run_dir)]) == 2
+    assert "--set learner.params: invalid YAML" in capsys.readouterr().err
+    assert (run_dir / "config.yaml").read_text() == saved
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +203,17 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
     config = tmp_path / "sgd.yaml"
     config.write_text(json.dumps(quick(**{
         "learner.kind": "sgd", "learner.params": "{lr: 0.05}", "scenario.kind": "continuous_permuted_mnist",
-        "scenario.iterations_per_task": 12, "scenario.train_subset": "null", "scenario.eval_every": 6})))
+        "scenario.iterations_per_task": 12, "scenario.train_subset": "null", "scenario.eval_every": 5,
+        "scenario.epochs_per_task": 20})))  # epochs_per_task back at its default: not read by this scenario
     assert main(["run", str(config), "--out", str(tmp_path / "sgd"), "--no-progress"]) == 0
     summary = json.loads((tmp_path / "sgd" / "summary.json").read_text())
     assert set(summary["modes"]) == {"mean"}
+    assert "forgetting" in summary["modes"]["mean"]  # task ends are evaluated although 5 does not divide 12
     assert (tmp_path / "sgd" / "plots" / "task_schedule.png").exists()
-    records = (tmp_path / "sgd" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["iteration"] for r in records] == [6, 12, 18, 24]
+    records = [json.loads(r) for r in (tmp_path / "sgd" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [5, 10, 12, 15, 20, 24]
+    sgd_config = load_config(config)
+    assert tasks_seen(records, sgd_config) == pytest.approx([5 / 12, 10 / 12, 1, 15 / 12, 20 / 12, 2])
     run_dir, _ = finished_run
     assert main(["compare", str(run_dir), str(tmp_path / "sgd"), "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
@@ -190,6 +233,18 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
     assert len((tmp_path / "cmp3" / "compare.csv").read_text().splitlines()) == 1 + 3 + 1  # table: every run
     assert main(["compare", str(run_dir), "--out", str(tmp_path / "cmp4"), "--plot-runs", "sgd"]) == 2
     assert "--plot-runs" in capsys.readouterr().err
+
+
+def test_compare_names_runs_of_equal_directory_names_by_their_paths(finished_run, tmp_path, capsys) -> None:
+    run_dir, _ = finished_run
+    copies = [tmp_path / parent / run_dir.name for parent in ("x", "y")]
+    for copy in copies:
+        shutil.copytree(run_dir, copy)
+    assert main(["compare", *map(str, copies), "--out", str(tmp_path / "cmp")]) == 0
+    rows = list(csv.DictReader((tmp_path / "cmp" / "compare.csv").read_text().splitlines()))
+    assert [r["run"] for r in rows] == [str(copies[0])] * 3 + [str(copies[1])] * 3
+    assert main(["compare", str(copies[0]), str(copies[0]), "--out", str(tmp_path / "cmp2")]) == 2
+    assert "given twice" in capsys.readouterr().err
 
 
 def test_experiment_key_ignores_only_seeds_name_and_execution_keys() -> None:

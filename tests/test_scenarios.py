@@ -209,7 +209,7 @@ def test_continuous_eval_points():
     permuted_mnist = PermutedMNIST(num_tasks=3, seed=0)
     assert ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=10).eval_points == (10, 20, 30)
     every_7 = ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=10, eval_every=7)
-    assert every_7.eval_points == (7, 14, 21, 28, 30)
+    assert every_7.eval_points == (7, 10, 14, 20, 21, 28, 30)  # and every task end
 
 
 # --- resuming -----------------------------------------------------------------------------------------------

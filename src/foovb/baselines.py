@@ -37,14 +37,18 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _require_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if not (_is_real(value) and value > 0):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 def _require_non_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if not (_is_real(value) and value >= 0):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
 def _copy_tensors_into(target: dict[str, Tensor], source: dict[str, Tensor], what: str) -> None:
@@ -90,6 +94,7 @@ class BaselineLearner:
     """
 
     name = "baseline"
+    needs_task_ids = False  # True for task-aware methods, which need the task id in observe()
 
     def __init__(
         self,
@@ -499,6 +504,7 @@ class SILearner(BaselineLearner):
     """
 
     name = "si"
+    needs_task_ids = True
 
     def __init__(
         self,

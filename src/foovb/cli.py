@@ -46,7 +46,7 @@ def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> N
 
 def _seed_rows(runs: list[dict]) -> list[list]:
     """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
-    differ only in their seeds (`runner.experiment_key`)."""
+    differ only in their seeds (`runner.experiment_key`); runs are named by their "name" entry."""
     from .runner import experiment_key
 
     groups: dict[str, list[dict]] = {}
@@ -57,7 +57,7 @@ def _seed_rows(runs: list[dict]) -> list[list]:
         configs = [config_from_dict(r["config"]) for r in group]
         seeds = [(c.seed, c.scenario.seed) for c in configs]
         if len(set(seeds)) < len(seeds):
-            print(f"foovb: warning: {[r['dir'].name for r in group]} repeat a seed of one experiment; "
+            print(f"foovb: warning: {[r['name'] for r in group]} repeat a seed of one experiment; "
                   "the mean over seeds counts each run", file=sys.stderr)
         seed_text = " ".join(str(s) if s == t else f"{s}/{t}" for s, t in seeds)
         for mode in group[0]["summary"]["modes"]:
@@ -65,7 +65,7 @@ def _seed_rows(runs: list[dict]) -> list[list]:
             average = np.array([e["average_accuracy"] for e in entries])
             std = f"{average.std(ddof=1):.4f}" if len(average) > 1 else ""
             forgetting = np.mean([e.get("forgetting", np.nan) for e in entries])
-            rows.append([group[0]["dir"].name, " ".join(r["dir"].name for r in group), seed_text, len(group),
+            rows.append([group[0]["name"], " ".join(r["name"] for r in group), seed_text, len(group),
                          group[0]["summary"]["learner"], mode, f"{average.mean():.4f}", std,
                          f"{average.min():.4f}", f"{average.max():.4f}",
                          f"{np.mean([e['first_task_accuracy'] for e in entries]):.4f}", f"{forgetting:.4f}"])
@@ -74,10 +74,17 @@ def _seed_rows(runs: list[dict]) -> list[list]:
 
 def _compare(args: argparse.Namespace) -> int:
     from . import plots
-    from .runner import load_run
+    from .runner import load_run, tasks_seen
 
     runs = [load_run(d) for d in args.run_dirs]
     names = [r["dir"].name for r in runs]
+    if len(set(names)) < len(names):  # e.g. x/run and y/run: name them by their paths
+        names = [str(r["dir"]) for r in runs]
+        if len(set(names)) < len(names):
+            print(f"foovb: error: a run directory is given twice: {names}", file=sys.stderr)
+            return 2
+    for name, r in zip(names, runs, strict=True):
+        r["name"] = name
     unknown = sorted(set(args.plot_runs or []) - set(names))
     if unknown:
         print(f"foovb: error: --plot-runs: {unknown} not among the compared runs {names}",
@@ -93,7 +100,7 @@ def _compare(args: argparse.Namespace) -> int:
         s, config = r["summary"], r["config"]
         params = config["learner"]["params"]
         mc = params.get("mc_samples", 10) if config["learner"]["kind"] == "foovb" else "-"
-        stages = [rec["stage"] + 1 for rec in r["records"]]
+        stages = tasks_seen(r["records"], config_from_dict(config))
         drawn_run = args.plot_runs is None or name in args.plot_runs
         for mode, entry in s["modes"].items():
             label = f"{name} ({mode})"
@@ -142,7 +149,9 @@ def _plot(args: argparse.Namespace) -> int:
         try:
             matrix = validate_accuracy_matrix(np.loadtxt(path, delimiter=",", ndmin=2))
         except ValueError as error:
-            print(f"foovb: error: {path}: {error}", file=sys.stderr)
+            hint = ("; a run evaluated more often than once per task (the continuous scenario with eval_every) "
+                    "is plotted by foovb compare") if "square" in str(error) else ""
+            print(f"foovb: error: {path}: {error}{hint}", file=sys.stderr)
             return 2
         tasks = np.arange(1, matrix.shape[0] + 1)
         average, first = average_accuracy(matrix), first_task_accuracy(matrix)

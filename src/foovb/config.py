@@ -16,9 +16,23 @@ from typing import Any
 
 import yaml
 
+from .data.datasets import DATASET_NAMES
+
 __all__ = ["ConfigError", "Config", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
 
 SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix")
+PERMUTED_MNIST = SCENARIOS[:2]
+# scenario keys read by some scenarios only; the others must leave them at their defaults
+SCENARIO_KEYS = {
+    "epochs_per_task": ("discrete_permuted_mnist", "vision_mix"),
+    "iterations_per_task": ("continuous_permuted_mnist",),
+    "pad_to_32": PERMUTED_MNIST,
+    "normalization": PERMUTED_MNIST,
+    "train_subset": ("discrete_permuted_mnist",),
+    "eval_every": ("continuous_permuted_mnist",),
+    "data_dir": ("vision_mix",),
+    "datasets": ("vision_mix",),
+}
 
 
 class ConfigError(ValueError):
@@ -137,10 +151,18 @@ def validate(config: Config) -> Config:
         raise ConfigError("seed: must be non-negative")
     if s.normalization not in ("standard", "none"):
         raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
-    if s.train_subset is not None and s.kind != "discrete_permuted_mnist":
-        raise ConfigError("scenario.train_subset: only the discrete permuted MNIST scenario takes a subset")
-    if s.eval_every is not None and s.kind != "continuous_permuted_mnist":
-        raise ConfigError("scenario.eval_every: only the continuous scenario evaluates at fixed intervals")
+    defaults = ScenarioConfig()
+    for key, kinds in SCENARIO_KEYS.items():
+        if s.kind not in kinds and getattr(s, key) != getattr(defaults, key):
+            raise ConfigError(f"scenario.{key}: not read by the {s.kind} scenario (only by {', '.join(kinds)}); "
+                              "leave it out")
+    if s.kind == "vision_mix":
+        unknown = sorted(set(s.datasets) - set(DATASET_NAMES))
+        if unknown:
+            raise ConfigError(f"scenario.datasets: unknown dataset {unknown[0]!r} (known: {', '.join(DATASET_NAMES)})")
+        if s.num_tasks > len(s.datasets):
+            raise ConfigError(f"scenario.num_tasks: {s.num_tasks} tasks, but scenario.datasets lists "
+                              f"{len(s.datasets)} datasets (one per task)")
     if s.kind == "vision_mix" and s.joint:
         raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
                           "(not supported)")
@@ -148,6 +170,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("scenario.data_dir: the vision mix needs a data directory")
     if config.model.kind not in ("mlp", "lenet"):
         raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
+    if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:
+        raise ConfigError("model.hidden: the lenet model has fixed layers; hidden sizes are for the mlp")
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
     _positive("threads", config.threads)
@@ -179,8 +203,15 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {part} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = _parse_yaml(raw, f"--set {key}")
     return data
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{where}: invalid YAML ({' '.join(str(error).split())})") from error
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -188,5 +219,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _parse_yaml(path.read_text(), str(path)) or {}
     return config_from_dict(apply_overrides(data, overrides or []))

@@ -56,8 +56,13 @@ class FOOVBLearner:
                  eval_samples: int = 10, batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
                  classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
                  cov_momentum: float = 0.0, seed: int = 0):
-        if eval_samples < 0:
-            raise ValueError(f"eval_samples must be >= 0, got {eval_samples}")
+        if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
+            raise ValueError(f"eval_samples must be an integer >= 0, got {eval_samples!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
+        if not isinstance(batched, bool):
+            raise ValueError(f"batched must be true or false, got {batched!r}")
         self.model = model
         self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
                                cov_step=cov_step, loss_reduction="sum", init=init, antithetic=antithetic,

@@ -27,11 +27,12 @@ import torch
 import yaml
 
 from . import distributed, metrics, plots
+from .baselines import BASELINES
 from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
-from .learners import Learner, learner_hyperparameters, make_learner, make_model
+from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
-__all__ = ["build_scenario", "run", "RunResult", "load_run", "resolve_device"]
+__all__ = ["build_scenario", "run", "RunResult", "load_run", "resolve_device", "tasks_seen"]
 
 RunResult = dict[str, Any]
 
@@ -59,14 +60,31 @@ def build_scenario(config: Config):
     return JointStream(scenario, s.seed) if s.joint else scenario
 
 
+# learner arguments that the runner sets itself: from the top-level `seed` and the scenario's tasks and classes
+RUNNER_ARGUMENTS = ("seed", "num_heads", "classes_per_head")
+
+
 def build_learner(config: Config, scenario, device: torch.device) -> Learner:
-    """The config's model (seeded by `config.seed`) on `device`, wrapped in its learner."""
+    """The config's model (seeded by `config.seed`) on `device`, wrapped in its learner. A learner kind or
+    parameter that does not fit raises `ConfigError` naming the key."""
+    kind, params = config.learner.kind, config.learner.params
+    if kind not in LEARNERS:
+        raise ConfigError(f"learner.kind: unknown learner {kind!r} (known: {', '.join(LEARNERS)})")
+    for name in RUNNER_ARGUMENTS:
+        if name in params:
+            raise ConfigError(f"learner.params.{name}: set by the runner (from `seed` and the scenario), "
+                              "not a learner parameter")
+    if getattr(BASELINES.get(kind), "needs_task_ids", False) and not scenario.task_aware:
+        raise ConfigError(f"learner.kind: {kind!r} needs task ids, and {config.scenario.kind} is task-agnostic")
     torch.manual_seed(config.seed)
     num_heads = scenario.num_tasks if scenario.task_aware else 1
     model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
                        config.model.hidden).to(device)
-    return make_learner(config.learner.kind, model, num_heads=num_heads, classes_per_head=scenario.num_classes,
-                        seed=config.seed, **config.learner.params)
+    try:
+        return make_learner(kind, model, num_heads=num_heads, classes_per_head=scenario.num_classes,
+                            seed=config.seed, **params)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"learner.params: {error}") from error
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,6 +108,14 @@ def task_ends(config: Config, scenario) -> list[int]:
         return [(t + 1) * d for t in range(scenario.num_tasks)]
     inner = getattr(scenario, "scenario", scenario)  # JointStream wraps the sequential scenario
     return list(inner.eval_points)
+
+
+def tasks_seen(records: list[dict], config: Config) -> list[float]:
+    """The x values of the curve plots: the task count at each evaluation (stage + 1), fractional in the
+    continuous scenario, whose evaluations every `eval_every` iterations fall inside task periods."""
+    if config.scenario.kind == "continuous_permuted_mnist":
+        return [r["iteration"] / config.scenario.iterations_per_task for r in records]
+    return [r["stage"] + 1 for r in records]
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -180,22 +206,23 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
     if not resume and (run_dir / "summary.json").exists():
         raise FileExistsError(f"{run_dir} already holds a finished run; choose another directory or --resume")
-    if main_process:
-        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if not resume and checkpoint_path.exists():
+        raise FileExistsError(f"{run_dir} holds an unfinished run ({checkpoint_path.name}): continue it with "
+                              "--resume, or choose another directory")
     resolved = config_to_dict(config)
     if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
         saved = config_to_dict(config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())))
         changed = sorted(key for key in saved.keys() | resolved.keys() if saved.get(key) != resolved.get(key))
         if set(changed) - set(EXECUTION_KEYS):
-            raise ValueError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
-                             f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
-    if main_process:
-        _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-
+            raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
+                              f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
+    if config.threads:
+        torch.set_num_threads(config.threads)
     scenario = build_scenario(config)
-    learner = build_learner(config, scenario, device)
+    learner = build_learner(config, scenario, device)  # a bad learner config fails before anything is written
+    if main_process:
+        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+        _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
     ends = task_ends(config, scenario)
     records: list[dict] = []
@@ -238,9 +265,9 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         done = iteration + 1
         if bar is not None:
             bar.update(1)
-            if done % 50 == 0:
+            if done % 50 == 0:  # refresh=False: the bar redraws at its own interval (once a minute in a log)
                 bar.set_postfix(task=int(batch.task.float().mean().round()), loss=f"{running_loss:.3f}",
-                                avg_acc=f"{last_average:.4f}")
+                                avg_acc="-" if np.isnan(last_average) else f"{last_average:.4f}", refresh=False)
         if done in eval_points:
             train_seconds += time.perf_counter() - tic
             stage = min(bisect.bisect_left(ends, done), scenario.num_tasks - 1)
@@ -305,7 +332,7 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
     if stds:
         np.savez_compressed(run_dir / "stds.npz", **stds)
     plot_dir = run_dir / "plots"
-    stages = [r["stage"] + 1 for r in records]
+    stages = tasks_seen(records, config)
     for mode, entry in summary["modes"].items():
         label = f"{summary['learner']} ({mode})"
         plots.plot_average_accuracy({label: (stages, entry["average_accuracy_curve"])},

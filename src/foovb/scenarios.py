@@ -334,9 +334,9 @@ class ContinuousPermutedMNIST(_PermutedMNISTStream):
         self.num_tasks = benchmark.num_tasks
         self.num_iterations = self.num_tasks * iterations_per_task
         self.train_sizes = (benchmark.num_train,) * self.num_tasks
-        self.eval_points = tuple(
-            sorted({*range(eval_every, self.num_iterations + 1, eval_every), self.num_iterations})
-        )
+        # every eval_every iterations, and at the end of every task period (forgetting and BWT need those)
+        self.eval_points = tuple(sorted({*range(eval_every, self.num_iterations + 1, eval_every),
+                                         *range(iterations_per_task, self.num_iterations + 1, iterations_per_task)}))
 
     def task_probabilities(self, iteration: int | Sequence[int] | Tensor) -> Tensor:
         """float64 task weights ``p(i)``: shape ``(T,)`` for one iteration, ``(n, T)`` for ``n`` of them."""
