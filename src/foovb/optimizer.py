@@ -42,9 +42,8 @@ def _mix(*values: int) -> int:
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
 MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
-# Hyperparameters in `param_groups` that a step reads (they may be changed between steps, e.g. by a schedule)
-STEP_SIZES = ("mean_step", "cov_step")
-# Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them
+# Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
+# step sizes mean_step and cov_step are read from param_groups at every step and may change between steps)
 FIXED = ("posterior", "mc_samples", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
 
 
