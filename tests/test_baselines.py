@@ -12,6 +12,7 @@ from foovb.baselines import (
     SILearner,
     make_baseline,
 )
+from foovb.learners import make_learner
 from foovb.metrics import accuracy
 
 CENTERS = torch.tensor([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]])
@@ -378,3 +379,12 @@ def test_factory_rejects_unknown_names_and_invalid_hyperparameters():
     learner = make_baseline("ewc_online", make_model(), lr=0.01, reg=0.1)
     assert isinstance(learner, OnlineEWCLearner) and learner.name == "ewc_online"
     assert (learner.reg, learner.optimizer.param_groups[0]["lr"]) == (0.1, 0.01)
+
+
+def test_the_run_seed_reaches_online_ewc_fisher_labels() -> None:
+    """make_learner passes the run's seed to baselines that draw random numbers (online EWC's sampled labels)."""
+    generators = [make_learner("ewc_online", make_model(), seed=seed).label_generator for seed in (0, 7, 7)]
+    assert [g.initial_seed() for g in generators] == [0, 7, 7]
+    assert generators[0].device.type == "cpu"  # a CPU generator whatever the model's device: portable state
+    assert make_learner("sgd", make_model(), seed=7).name == "sgd"  # baselines without randomness take no seed
+

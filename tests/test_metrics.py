@@ -112,7 +112,7 @@ def test_accuracy_matrix_metrics_match_hand_computation():
     assert backward_transfer(DISCRETE_R) == pytest.approx(-0.15)
 
 
-def test_fully_filled_matrix_uses_every_previous_stage():
+def test_fully_filled_matrix_counts_only_stages_after_each_task_was_learned():
     full = np.array(
         [
             [0.50, 0.10, 0.10],
@@ -124,8 +124,9 @@ def test_fully_filled_matrix_uses_every_previous_stage():
     # task 0: max(0.50, 0.60) - 0.55; task 1: max(0.10, 0.90) - 0.80
     assert forgetting(full) == pytest.approx((0.05 + 0.10) / 2)
     assert backward_transfer(full) == pytest.approx((0.05 - 0.10) / 2)
-    full[0, 1] = 0.99  # a stage before task 1 was trained (Chaudhry et al.: max over all previous stages)
-    assert forgetting(full) == pytest.approx((0.05 + 0.19) / 2)
+    full[0, 1] = 0.99  # a stage before task 1 was trained: not forgetting (Chaudhry et al.: a_{l,j}, j <= l)
+    assert forgetting(full) == pytest.approx((0.05 + 0.10) / 2)
+    assert forgetting(np.where(np.tril(np.ones((3, 3), bool)), full, np.nan)) == forgetting(full)  # as the runner
     assert backward_transfer(full) == pytest.approx((0.05 - 0.10) / 2)
 
 

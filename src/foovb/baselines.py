@@ -361,16 +361,17 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
         seed: int = 0,
     ) -> None:
         super().__init__(model, lr, reg, gamma, optimizer, num_heads, classes_per_head)
-        device = next(iter(self.trainable_parameters.values())).device
-        self.label_generator = torch.Generator(device=device).manual_seed(seed)
+        # on the CPU whatever the model's device: the same labels, and checkpoints that load on either device
+        self.label_generator = torch.Generator().manual_seed(seed)
 
     @property
     def curvature_scale(self) -> float:
         return self.reg
 
     def _batch_importance(self, logits: Tensor, x: Tensor, task: int | None) -> dict[str, Tensor]:
-        probabilities = torch.softmax(logits.detach(), dim=1)
+        probabilities = torch.softmax(logits.detach(), dim=1).cpu()
         sampled_labels = torch.multinomial(probabilities, 1, generator=self.label_generator).squeeze(1)
+        sampled_labels = sampled_labels.to(logits.device)
         mean_log_likelihood = -F.cross_entropy(logits, sampled_labels)
         batch_size = logits.shape[0]
         return {

@@ -140,6 +140,8 @@ def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_he
             raise ValueError(f"learner foovb: {error}") from error
     if kind not in BASELINES:
         raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
+    if "seed" in inspect.signature(BASELINES[kind]).parameters:  # e.g. online EWC's Fisher labels
+        hyperparameters = {"seed": seed, **hyperparameters}
     return make_baseline(kind, model, num_heads=num_heads, classes_per_head=classes_per_head, **hyperparameters)
 
 

@@ -149,13 +149,14 @@ def first_task_accuracy(accuracy_matrix: ArrayLike) -> np.ndarray:
 def forgetting(accuracy_matrix: ArrayLike) -> float:
     """Average forgetting after the last stage (Chaudhry et al. 2018, "Riemannian Walk").
 
-    ``f_j = max_{l < T-1} R[l, j] - R[T-1, j]`` averaged over tasks ``j = 0 .. T-2``; not-yet-seen (NaN)
-    entries are ignored by the max.
+    ``f_j = max_{j <= l < T-1} R[l, j] - R[T-1, j]`` averaged over tasks ``j = 0 .. T-2``: only stages after
+    task ``j`` was learned count (entries above the diagonal, not-yet-seen tasks, are ignored even if filled).
     """
     matrix = validate_accuracy_matrix(accuracy_matrix)
     _require_two_tasks(matrix, "forgetting")
     num_tasks = matrix.shape[0]
-    best_previous = np.nanmax(matrix[: num_tasks - 1, : num_tasks - 1], axis=0)
+    earlier = matrix[: num_tasks - 1, : num_tasks - 1]
+    best_previous = np.where(np.tril(np.ones_like(earlier, dtype=bool)), earlier, -np.inf).max(axis=0)
     return float(np.mean(best_previous - matrix[num_tasks - 1, : num_tasks - 1]))
 
 
