@@ -26,8 +26,14 @@ def main() -> None:
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default="accuracy_vs_samples.png")
     args = parser.parse_args()
-    runs = sorted((load_run(d) for d in args.run_dirs),
-                  key=lambda r: (_label(r), r["config"]["learner"]["params"].get("mc_samples", 10)))
+    runs = []
+    for run_dir in args.run_dirs:
+        run = load_run(run_dir)
+        if run["config"]["learner"]["kind"] != "foovb":
+            print(f"skipping {run_dir}: not a FOO-VB run (no Monte Carlo samples)")
+            continue
+        runs.append(run)
+    runs.sort(key=lambda r: (_label(r), r["config"]["learner"]["params"].get("mc_samples", 10)))
     figure = Figure(figsize=(10, 4))
     by_samples, by_time = figure.subplots(1, 2)
     print("| learner | MC samples | mode | average accuracy | first-task accuracy | train minutes |")

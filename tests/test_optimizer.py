@@ -685,6 +685,10 @@ def test_step_sizes_in_param_groups_are_the_ones_used(family):
     with pytest.raises(ValueError, match="mc_samples.*fixed at construction"):
         opt.step(ce_closure(models["changed"], x, y))
     opt.param_groups[0]["mc_samples"] = 3
+    opt.param_groups[0]["std_init"] = 5.0  # used at construction only: changing it later is refused too
+    with pytest.raises(ValueError, match="std_init.*fixed at construction"):
+        opt.step_batched(x, y)
+    opt.param_groups[0]["std_init"] = 0.047
     opt.param_groups[0]["mean_step"] = -1.0
     with pytest.raises(ValueError, match="mean_step"):
         opt.step_batched(x, y)

@@ -44,7 +44,7 @@ STD_GROWTH = ("paper", "capped", "none")
 MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes mean_step and cov_step are read from param_groups at every step and may change between steps)
-FIXED = ("posterior", "mc_samples", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
+FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
 
 
 def _is_integer(value: object) -> bool:

@@ -13,7 +13,7 @@ foovb plot \
   $D/adam_seed0_1thread_accuracy_matrix_mean.csv \
   $D/joint_seed0_1thread_accuracy_matrix_mean.csv \
   --labels "FOO-VB matrix-variate, antithetic, beta 0.1" \
-           "FOO-VB diagonal, Lemma 1 root, antithetic, beta 0.3, eta 0.7" \
+           "FOO-VB diagonal, Lemma 2 root, antithetic, beta 0.3, eta 0.7" \
            "FOO-VB diagonal, paper settings" "online EWC (Adam)" "MAS (SGD)" Adagrad SGD Adam \
            "joint training (oracle)" \
   --out $D
