@@ -61,6 +61,11 @@ def test_unknown_modes_and_bad_shapes_raise():
         Predictions(mean=MEAN[0])
     with pytest.raises(ValueError, match="labels"):
         accuracy(pred, LABELS[:2], "mean")
+    empty = Predictions(mean=MEAN[:0], samples=SAMPLES[:, :0])
+    for metric in (lambda: accuracy(empty, LABELS[:0], "single"), lambda: nll(MEAN[:0], LABELS[:0]),
+                   lambda: ece(MEAN[:0], LABELS[:0])):
+        with pytest.raises(ValueError, match="empty"):
+            metric()
 
 
 def test_nll_matches_closed_form_and_clamps_zero_probabilities():

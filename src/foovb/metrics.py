@@ -59,6 +59,8 @@ def _as_labels(y: ArrayLike | Tensor, num_inputs: int) -> Tensor:
     labels = torch.as_tensor(y).long()
     if labels.shape != (num_inputs,):
         raise ValueError(f"labels must have shape ({num_inputs},), got {tuple(labels.shape)}")
+    if num_inputs == 0:
+        raise ValueError("no inputs: a metric of an empty set is undefined")
     return labels
 
 
