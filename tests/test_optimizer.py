@@ -728,6 +728,18 @@ def test_closure_must_backpropagate_and_return_the_loss(family):
         opt.step_batched(x[:0], y[:0])
 
 
+def test_step_hooks_run_for_both_paths():
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 2, seed=0)
+    calls = []
+    opt.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
+    x, y = mlp_batch()
+    opt.step(ce_closure(model, x, y))
+    opt.step_batched(x, y)
+    assert calls == ["pre", "post"] * 2
+
+
 def test_sparse_gradients_are_refused():
     model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Flatten(), nn.Linear(6, 3))
     opt = FOOVB(model, "diagonal", 2, seed=0)

@@ -406,6 +406,7 @@ class FOOVB(torch.optim.Optimizer):
             self.load_mean_into_model()
         return self._apply_update(stats, losses, self.mc_samples)
 
+    @torch.optim.Optimizer.profile_hook_step  # step pre/post hooks run for both paths (torch wraps `step`)
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> float:
         """One FOO-VB step evaluating the K samples together (batched matmuls; nn.Linear / nn.Conv2d models).
