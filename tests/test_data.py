@@ -234,6 +234,43 @@ def test_unknown_dataset_and_invalid_image_dataset(tmp_path):
         ImageDataset("bad", images.float(), labels, images, labels)
     with pytest.raises(ValueError, match="labels outside"):
         ImageDataset("bad", images, labels + 10, images, labels)
+    with pytest.raises(ValueError, match="2 train images but 1 labels"):
+        ImageDataset("bad", images, labels[:1], images, labels)
+    with pytest.raises(ValueError, match="training set is empty"):
+        ImageDataset("bad", images[:0], labels[:0], images, labels)
+
+
+def _write_cifar10(directory: Path, data: np.ndarray, labels: list) -> None:
+    batch_dir = directory / "cifar10" / "cifar-10-batches-py"
+    batch_dir.mkdir(parents=True)
+    for name in [f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]:
+        with (batch_dir / name).open("wb") as handle:
+            pickle.dump({b"data": data, b"labels": labels}, handle)
+
+
+@pytest.mark.parametrize(
+    ("data", "labels", "match"),
+    [
+        (np.full((2, 3072), 0.8), [1, 2], "data must hold integer pixel values"),
+        (np.full((2, 3072), 1000), [1, 2], "data must hold integer pixel values"),
+        (np.zeros((2, 3072), np.uint8), [1.9, 2.0], "labels must hold integer labels"),
+    ],
+    ids=["float-pixels", "pixels-above-255", "float-labels"],
+)
+def test_cifar10_values_a_cast_would_change_are_refused(tmp_path, data, labels, match):
+    _write_cifar10(tmp_path, data, labels)
+    with pytest.raises(ValueError, match=match):
+        load_dataset("cifar10", tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"MATLAB 5.0 garbage" * 3], ids=["empty", "garbage"])
+def test_damaged_svhn_file_is_named_in_a_value_error(tmp_path, content):
+    pytest.importorskip("scipy.io")
+    (tmp_path / "svhn").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "svhn" / f"{split}_32x32.mat").write_bytes(content)
+    with pytest.raises(ValueError, match="train_32x32.mat is not a valid SVHN .mat file"):
+        load_dataset("svhn", tmp_path)
 
 
 def test_download_failure_explains_the_offline_route(tmp_path, monkeypatch):

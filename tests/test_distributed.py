@@ -100,6 +100,10 @@ def job_equivalence(rank: int) -> dict[str, Any]:
         distribute(FOOVB(mlp(), "diagonal", 1, seed=7), "mc")
     except ValueError as error:
         out["too_few_samples"] = str(error)
+    try:  # the processes built different optimizers
+        distribute(FOOVB(mlp(), "diagonal", 4, seed=7, mean_step=1.0 + rank, antithetic=rank == 0), "mc")
+    except ValueError as error:
+        out["different_settings"] = str(error)
     return out
 
 
@@ -245,6 +249,11 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
 def test_too_few_samples_for_mc_mode_raises_on_every_rank(results: list[dict]) -> None:
     for rank in range(WORLD):
         assert "at least one Monte Carlo sample" in results[rank]["too_few_samples"]
+
+
+def test_different_optimizer_settings_raise_on_every_rank(results: list[dict]) -> None:
+    for rank in range(WORLD):
+        assert "disagree on mean_step, antithetic" in results[rank]["different_settings"]
 
 
 @pytest.mark.parametrize("failure", ["raises", "hangs"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import zlib
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from .linalg import LowRank
 from .optimizer import FOOVB
-from .posteriors import FAMILIES, PosteriorBlock
+from .posteriors import PosteriorBlock
 
 __all__ = [
     "MODES",
@@ -118,7 +119,7 @@ def sample_range(num_samples: int, rank: int, world_size: int) -> range:
     if num_samples < world_size:
         raise ValueError(f"mc_samples={num_samples} is smaller than the {world_size} processes: in "
                          "MC-parallel mode every process needs at least one Monte Carlo sample (use fewer "
-                         "processes, more samples or mode='data')")
+                         "processes or more samples; in your own script, distribute(..., mode='data') also works)")
     return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
 
 
@@ -158,7 +159,7 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
-            processes' optimizers differ in family, K, loss reduction or posterior size.
+            processes' optimizers differ in a hyperparameter (family, K, step sizes, options) or posterior size.
     """
     _require_initialized("foovb.distributed.distribute")
     if mode not in MODES:
@@ -168,11 +169,11 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
                          "the mean over its own shard, and the shards' statistics could not be summed")
     group = _group_or_world(group)
     state = [block.state[key] for block in optimizer.blocks for key in sorted(block.state)]
-    _check_same_everywhere(
-        [FAMILIES.index(optimizer.posterior_family), optimizer.mc_samples, MODES.index(mode),
-         optimizer.loss_reduction == "sum", len(optimizer.blocks), sum(t.numel() for t in state)],
-        ["posterior family", "mc_samples", "mode", "loss_reduction", "number of posterior blocks",
-         "posterior size"], group)
+    hyperparameters = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
+    _check_same_everywhere(  # hyperparameters by a stable hash of their repr: any difference is caught
+        [MODES.index(mode), len(optimizer.blocks), sum(t.numel() for t in state),
+         *(zlib.crc32(repr(value).encode()) for value in hyperparameters.values())],
+        ["mode", "number of posterior blocks", "posterior size", *hyperparameters], group)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     num_samples = optimizer.mc_samples
     shard = sample_range(num_samples, rank, world_size) if mode == "mc" else range(num_samples)

@@ -220,11 +220,6 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         torch.set_num_threads(config.threads)
     scenario = build_scenario(config)
     learner = build_learner(config, scenario, device)  # a bad learner config fails before anything is written
-    if main_process:
-        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
-        _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
-    ends = task_ends(config, scenario)
     records: list[dict] = []
     stds: dict[str, np.ndarray] = {}
     start, train_seconds = 0, 0.0
@@ -235,6 +230,11 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
             "stds"]
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
         distributed.distribute(learner.optimizer, "mc")
+    if main_process:
+        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+        _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
+    ends = task_ends(config, scenario)
     eval_points = set(scenario.eval_points)
 
     def save_checkpoint(iteration: int) -> None:

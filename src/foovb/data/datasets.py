@@ -56,15 +56,16 @@ class ImageDataset:
                     f"{self.name}: {split} images must be uint8 (N, C, H, W), got {images.dtype} "
                     f"{tuple(images.shape)}"
                 )
-            if labels.dtype != torch.int64 or labels.shape != images.shape[:1]:
-                raise ValueError(
-                    f"{self.name}: {split} labels must be int64 ({len(images)},), got {labels.dtype} "
-                    f"{tuple(labels.shape)}"
-                )
+            if labels.dtype != torch.int64:
+                raise ValueError(f"{self.name}: {split} labels must be int64, got {labels.dtype}")
+            if labels.shape != images.shape[:1]:
+                raise ValueError(f"{self.name}: {len(images)} {split} images but {len(labels)} labels")
             if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < self.num_classes:
                 raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
         if self.train_images.shape[1:] != self.test_images.shape[1:]:
             raise ValueError(f"{self.name}: train and test images differ in shape")
+        if len(self.train_images) == 0:
+            raise ValueError(f"{self.name}: the training set is empty")
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -128,23 +129,39 @@ def _read_svhn_mat(path: Path) -> tuple[Tensor, Tensor]:
         from scipy.io import loadmat
     except ImportError as error:
         raise ImportError("reading SVHN (.mat files) needs scipy: pip install scipy") from error
+    if not path.is_file():
+        raise FileNotFoundError(f"missing data file: {path}")
     try:
         content = loadmat(str(path))
         images, labels = content["X"], content["y"]
-    except (ValueError, KeyError, OSError) as error:
+    except Exception as error:  # scipy raises its own MatReadError, IndexError, ... for a damaged file
         raise ValueError(
-            f"{path} is not a valid SVHN .mat file (needs variables X and y): {error}"
+            f"{path} is not a valid SVHN .mat file (needs variables X and y): {type(error).__name__}: {error}"
         ) from error
     if images.ndim != 4 or images.shape[:3] != (32, 32, 3) or images.shape[3] != labels.size:
         raise ValueError(
             f"{path}: expected X of shape (32, 32, 3, N) and N labels, got X {images.shape}, y {labels.shape}"
         )
-    labels = labels.reshape(-1).astype(np.int64)
+    images, labels = _checked_bytes(images, path, "X"), _checked_labels(labels, path, "y")
+    labels = labels.reshape(-1)
     labels[labels == 10] = 0
-    return (
-        torch.from_numpy(np.ascontiguousarray(images.transpose(3, 2, 0, 1), dtype=np.uint8)),
-        torch.from_numpy(labels),
-    )
+    return torch.from_numpy(np.ascontiguousarray(images.transpose(3, 2, 0, 1))), torch.from_numpy(labels)
+
+
+def _checked_bytes(values: np.ndarray, path: Path, name: str) -> np.ndarray:
+    """`values` as uint8, refusing what a cast would silently change (floats, values outside 0..255)."""
+    values = np.asarray(values)
+    if not np.issubdtype(values.dtype, np.integer) or (values.size and not 0 <= values.min() <= values.max() <= 255):
+        raise ValueError(f"{path}: {name} must hold integer pixel values in 0..255, got dtype {values.dtype}")
+    return values.astype(np.uint8)
+
+
+def _checked_labels(values: object, path: Path, name: str) -> np.ndarray:
+    """`values` as int64, refusing non-integer labels."""
+    values = np.asarray(values)
+    if not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"{path}: {name} must hold integer labels, got dtype {values.dtype}")
+    return values.astype(np.int64)
 
 
 def _read_svhn(directory: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -171,10 +188,10 @@ def _read_cifar10_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{path} is not a CIFAR-10 python batch: {error}") from error
     if data is None or labels is None:
         raise ValueError(f"{path} is not a CIFAR-10 python batch (needs keys 'data' and 'labels')")
-    data = np.asarray(data, dtype=np.uint8)
+    data, labels = _checked_bytes(data, path, "data"), _checked_labels(labels, path, "labels")
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
         raise ValueError(f"{path}: expected data of shape (N, 3072) with N labels, got {data.shape}")
-    return data.reshape(-1, 3, 32, 32), np.asarray(labels, dtype=np.int64)
+    return data.reshape(-1, 3, 32, 32), labels
 
 
 def _read_cifar10(directory: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:

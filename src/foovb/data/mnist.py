@@ -98,7 +98,7 @@ def read_file_bytes(file: Traversable, compressed: bool) -> bytes:
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as error:
-        raise ValueError(f"corrupt gzip file {file}: {error}") from error
+        raise ValueError(f"corrupt gzip file {file} (delete it and fetch it again): {error}") from error
 
 
 def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
