@@ -388,3 +388,14 @@ def test_the_run_seed_reaches_online_ewc_fisher_labels() -> None:
     assert generators[0].device.type == "cpu"  # a CPU generator whatever the model's device: portable state
     assert make_learner("sgd", make_model(), seed=7).name == "sgd"  # baselines without randomness take no seed
 
+
+def test_online_ewc_refuses_a_gpu_generator_state_before_changing_anything() -> None:
+    learner = make_learner("ewc_online", make_model(), seed=0)
+    state = copy.deepcopy(learner.state_dict())
+    state["method"]["label_generator"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA (Philox) state's size
+    state["model"] = {name: value + 1 for name, value in state["model"].items()}
+    before = copy.deepcopy(learner.model.state_dict())
+    with pytest.raises(ValueError, match="GPU random generator"):
+        learner.load_state_dict(state)
+    assert all(torch.equal(before[name], value) for name, value in learner.model.state_dict().items())
+

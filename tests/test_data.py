@@ -236,8 +236,10 @@ def test_unknown_dataset_and_invalid_image_dataset(tmp_path):
         ImageDataset("bad", images, labels + 10, images, labels)
     with pytest.raises(ValueError, match="2 train images but 1 labels"):
         ImageDataset("bad", images, labels[:1], images, labels)
-    with pytest.raises(ValueError, match="training set is empty"):
+    with pytest.raises(ValueError, match="train set is empty"):
         ImageDataset("bad", images[:0], labels[:0], images, labels)
+    with pytest.raises(ValueError, match="test set is empty"):
+        ImageDataset("bad", images, labels, images[:0], labels[:0])
 
 
 def _write_cifar10(directory: Path, data: np.ndarray, labels: list) -> None:
@@ -252,7 +254,7 @@ def _write_cifar10(directory: Path, data: np.ndarray, labels: list) -> None:
     ("data", "labels", "match"),
     [
         (np.full((2, 3072), 0.8), [1, 2], "data must hold integer pixel values"),
-        (np.full((2, 3072), 1000), [1, 2], "data must hold integer pixel values"),
+        (np.full((2, 3072), 1000), [1, 2], "data must hold pixel values in 0..255, got 1000..1000"),
         (np.zeros((2, 3072), np.uint8), [1.9, 2.0], "labels must hold integer labels"),
     ],
     ids=["float-pixels", "pixels-above-255", "float-labels"],

@@ -3,7 +3,9 @@ sequential == batched paths, persistence, input validation, posterior views and 
 
 import io
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,12 +145,12 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, c
 # ---------------------------------------------------------------------------------------------------------
 # Diagonal family on a quadratic: E[g] = H (mu - c), E[g eps] = H sigma
 # ---------------------------------------------------------------------------------------------------------
-def _diag_quadratic(d, k_samples, seed):
+def _diag_quadratic(d, k_samples, seed, antithetic=False):
     g = make_generator(seed)
     lin = nn.Linear(d, 1, bias=False).double()
     with torch.no_grad():
         lin.weight.copy_(torch.randn(1, d, generator=g, dtype=F64))
-    opt = FOOVB(lin, "diagonal", k_samples, init="keep", std_init=0.5, seed=seed)
+    opt = FOOVB(lin, "diagonal", k_samples, init="keep", std_init=0.5, antithetic=antithetic, seed=seed)
     sigma = 0.2 + torch.rand(1, d, generator=g, dtype=F64)
     opt.blocks[0].state["std"].copy_(sigma)
     c = lin.weight.detach() + 0.5 * torch.randn(1, d, generator=g, dtype=F64)
@@ -217,8 +219,7 @@ def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
 def test_antithetic_diagonal_update_on_quadratic_is_exact_in_the_mean_and_never_grows_sigma(k_samples):
     """Quadratic loss, pairs (eps, -eps): the pair mean of g = h (mu - c + sigma eps) is h (mu - c) exactly, and
     of g eps it is h sigma eps^2 >= 0: the mean update is exact and sigma can only shrink, whatever K."""
-    lin, opt, sigma, c, h = _diag_quadratic(50, k_samples, seed=23)
-    opt.antithetic = True
+    lin, opt, sigma, c, h = _diag_quadratic(50, k_samples, seed=23, antithetic=True)
     mu = lin.weight.detach().clone()
     opt.step(quadratic_closure(lin.weight, c, h))
     view = opt.posterior(lin.weight)
@@ -634,7 +635,7 @@ def test_state_dict_is_a_copy_in_both_directions(family):
         (("diagonal", 3), ("kronecker", 3), "posterior: saved 'diagonal', here 'kronecker'"),
         (("full", 3), ("diagonal", 3), "posterior"),
         (("diagonal", 4), ("diagonal", 2), "mc_samples: saved 4, here 2"),
-        (("diagonal", 3, {"antithetic": False}), ("diagonal", 4, {"antithetic": True}), "antithetic"),
+        (("diagonal", 4, {"antithetic": False}), ("diagonal", 4, {"antithetic": True}), "antithetic: saved False"),
     ],
 )
 def test_load_state_dict_refuses_other_settings_and_changes_nothing(saved_by, loaded_by, match):
@@ -652,6 +653,33 @@ def test_load_state_dict_refuses_other_settings_and_changes_nothing(saved_by, lo
     assert all_equal(posterior_snapshot(opt), posterior)
     assert all_equal(params_snapshot(model), params)
     opt.step(ce_closure(model, x, y))  # still usable
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_of_an_older_version_loads_with_the_settings_it_had(family):
+    """Dicts saved before cov_step, antithetic, std_growth and cov_momentum existed resume with the behaviour of
+    that version (the paper's: 1, False, "paper", 0)."""
+    model_a = mlp(seed=0)
+    opt_a = FOOVB(model_a, family, 3, seed=5)
+    _steps(model_a, opt_a, 0, 2)
+    saved = opt_a.state_dict()
+    for key in ("cov_step", "antithetic", "std_growth", "cov_momentum"):
+        del saved["param_groups"][0][key]
+    model_b = mlp(seed=0)
+    opt_b = FOOVB(model_b, family, 3, seed=1)
+    opt_b.load_state_dict(saved)
+    _steps(model_a, opt_a, 2, 2)
+    _steps(model_b, opt_b, 2, 2)
+    assert all_equal(posterior_snapshot(opt_b), posterior_snapshot(opt_a))
+    with pytest.raises(ValueError, match="antithetic: saved False, here True"):
+        FOOVB(mlp(seed=0), family, 4, antithetic=True).load_state_dict(saved)
+
+
+def test_hyperparameters_may_be_numpy_scalars():
+    opt = FOOVB(mlp(), "diagonal", 3, std_init=np.float32(0.05), mean_step=np.float32(0.5), seed=np.int64(2))
+    opt.param_groups[0]["cov_step"] = np.float32(0.5)  # as a schedule computed with numpy might write it
+    x, y = mlp_batch()
+    opt.step_batched(x, y)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -914,22 +942,49 @@ class _PerToken(nn.Module):
         return self.body(x.reshape(-1, 4)).reshape(len(x), -1)
 
 
+def _weight_norm_mlp():
+    with warnings.catch_warnings():  # the hook-based weight_norm is deprecated, and still in use
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.ReLU(), nn.Linear(6, 3))
+
+
 @pytest.mark.parametrize(
-    ("model", "match"),
+    ("make_model", "match"),
     [
-        (nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), "LayerNorm"),
-        (nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)), "BatchNorm1d"),
-        (nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.Linear(6, 3)), "batch statistics"),
-        (nn.Sequential(_ScaledLinear(4, 6), nn.ReLU(), nn.Linear(6, 3)), "_ScaledLinear has its own forward"),
+        (lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), "LayerNorm"),
+        (lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)), "BatchNorm1d"),
+        (lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.Linear(6, 3)),
+         "batch statistics"),
+        (lambda: nn.Sequential(_ScaledLinear(4, 6), nn.ReLU(), nn.Linear(6, 3)), "_ScaledLinear has its own forward"),
+        (_weight_norm_mlp, "weight_g"),
     ],
-    ids=["LayerNorm", "BatchNorm1d", "BatchNorm1d-no-affine", "subclass-forward"],
+    ids=["LayerNorm", "BatchNorm1d", "BatchNorm1d-no-affine", "subclass-forward", "weight-norm"],
 )
-def test_batched_path_rejects_what_it_would_compute_differently(model, match):
+def test_batched_path_rejects_what_it_would_compute_differently(make_model, match):
+    model = make_model()
     opt = FOOVB(model, "diagonal", 2, seed=0)
     x, y = mlp_batch()
     with pytest.raises(ValueError, match=match):
         opt.step_batched(x, y)
     opt.step(ce_closure(model, x, y))  # the sequential path handles it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_path_accepts_batch_norm_with_running_statistics(family):
+    """Batch norm in eval mode normalises each row by fixed statistics: the batched update equals the sequential."""
+    updates = []
+    for path in ("step", "batched"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.ReLU(), nn.Linear(6, 3)).double()
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].eval()
+        opt = FOOVB(model, family, 3, seed=0)
+        x, y = mlp_batch()
+        x = x.double()
+        opt.step(ce_closure(model, x, y)) if path == "step" else opt.step_batched(x, y)
+        updates.append(posterior_snapshot(opt))
+    for a, b in zip(*updates, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

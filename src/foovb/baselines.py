@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foovb.metrics import Predictions
+from foovb.validation import is_integer, is_real
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -37,17 +38,13 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _require_positive(name: str, value: float) -> None:
-    if not (_is_real(value) and value > 0):
+    if not (is_real(value) and value > 0):
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 def _require_non_negative(name: str, value: float) -> None:
-    if not (_is_real(value) and value >= 0):
+    if not (is_real(value) and value >= 0):
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
@@ -107,9 +104,9 @@ class BaselineLearner:
         _require_positive("lr", lr)
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-        if not (isinstance(num_heads, int) and num_heads >= 1):
+        if not (is_integer(num_heads) and num_heads >= 1):
             raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
-        if classes_per_head is not None and not (isinstance(classes_per_head, int) and classes_per_head >= 1):
+        if classes_per_head is not None and not (is_integer(classes_per_head) and classes_per_head >= 1):
             raise ValueError(f"classes_per_head must be None or an integer >= 1, got {classes_per_head!r}")
         self.model = model
         self.num_heads = num_heads
@@ -181,6 +178,9 @@ class BaselineLearner:
     def _load_method_state(self, state: dict[str, Any]) -> None:
         """Inverse of ``_method_state``."""
 
+    def _check_method_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError if ``state`` (from ``_method_state``) cannot be loaded; called before anything changes."""
+
     def state_dict(self) -> dict[str, Any]:
         """Model, optimiser and method state; tensors are live references, as in ``torch``'s state dicts."""
         return {
@@ -194,6 +194,7 @@ class BaselineLearner:
         """Restore a ``state_dict`` of a learner of the same kind on the same architecture."""
         if state.get("learner") != self.name:
             raise ValueError(f"state of learner {state.get('learner')!r} cannot be loaded into {self.name!r}")
+        self._check_method_state(state["method"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_method_state(state["method"])
@@ -381,6 +382,13 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
 
     def _method_state(self) -> dict[str, Any]:
         return {**super()._method_state(), "label_generator": self.label_generator.get_state()}
+
+    def _check_method_state(self, state: dict[str, Any]) -> None:
+        super()._check_method_state(state)
+        expected = self.label_generator.get_state().numel()
+        if state["label_generator"].numel() != expected:  # a CUDA generator's state (versions before b9a4340)
+            raise ValueError("this online EWC checkpoint holds the state of a GPU random generator for its Fisher "
+                             "labels (saved by an older version); it cannot be resumed by this version")
 
     def _load_method_state(self, state: dict[str, Any]) -> None:
         super()._load_method_state(state)

@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"prediction modes drawn in the plots (of {', '.join(ACCURACY_MODES)}; default all); "
                             "the table always has every mode")
     p_cmp.add_argument("--plot-runs", nargs="+", metavar="NAME",
-                       help="run directory names drawn in the plots (default all); the table always has every run")
+                       help="runs drawn in the plots, by name: the directory name, or the path as given when two "
+                            "directories share a name (default all); the table always has every run")
     p_cmp.set_defaults(func=_compare)
     p_plot = sub.add_parser("plot", help="average-accuracy and first-task plots from saved accuracy matrices")
     p_plot.add_argument("matrices", nargs="+", metavar="MATRIX_CSV",

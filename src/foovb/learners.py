@@ -18,6 +18,7 @@ from .baselines import BASELINES, head_logits, make_baseline
 from .metrics import Predictions
 from .optimizer import FOOVB
 from .predict import predict
+from .validation import is_integer
 
 __all__ = ["Learner", "FOOVBLearner", "learner_hyperparameters", "make_learner", "make_model", "LEARNERS", "MODELS"]
 
@@ -56,10 +57,9 @@ class FOOVBLearner:
                  eval_samples: int = 10, batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
                  classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
                  cov_momentum: float = 0.0, seed: int = 0):
-        if isinstance(eval_samples, bool) or not isinstance(eval_samples, int) or eval_samples < 0:
+        if not is_integer(eval_samples) or eval_samples < 0:
             raise ValueError(f"eval_samples must be an integer >= 0, got {eval_samples!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                       or chunk_size < 1):
+        if chunk_size is not None and (not is_integer(chunk_size) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
         if not isinstance(batched, bool):
             raise ValueError(f"batched must be true or false, got {batched!r}")

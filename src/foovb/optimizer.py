@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .linalg import LowRank
 from .posteriors import FAMILIES, DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, PosteriorView
 from .sampled import SampledNetwork, check_batched_support
+from .validation import is_integer, is_real
 
 __all__ = ["FOOVB"]
 
@@ -45,19 +46,13 @@ MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 fi
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes mean_step and cov_step are read from param_groups at every step and may change between steps)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+# Hyperparameters added after the first releases, with the behaviour of the versions whose state dicts lack them
+LEGACY_DEFAULTS = {"cov_step": 1.0, "antithetic": False, "std_growth": "paper", "cov_momentum": 0.0}
 
 
 def _check_step_sizes(mean_step: object, cov_step: object) -> None:
     for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
-        if not (_is_real(step) and math.isfinite(step) and step > 0):
+        if not (is_real(step) and math.isfinite(step) and step > 0):
             raise ValueError(f"{name} must be positive and finite, got {step!r}")
 
 
@@ -138,10 +133,10 @@ class FOOVB(torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if posterior not in FAMILIES:
             raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
-        if not _is_integer(mc_samples) or mc_samples < 1:
+        if not is_integer(mc_samples) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
         for name, value in (("std_init", std_init), ("alpha", alpha), ("cov_momentum", cov_momentum)):
-            if not _is_real(value):
+            if not is_real(value):
                 raise ValueError(f"{name} must be a real number, got {value!r}")
         if not (math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
             raise ValueError(f"std_init must be in (0, {MAX_STD_INIT}], got {std_init!r}")
@@ -158,9 +153,9 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
         if not 0 <= cov_momentum < 1:
             raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
-        if not _is_integer(max_full_params) or max_full_params < 1:
+        if not is_integer(max_full_params) or max_full_params < 1:
             raise ValueError(f"max_full_params must be a positive integer, got {max_full_params!r}")
-        if seed is not None and not _is_integer(seed):
+        if seed is not None and not is_integer(seed):
             raise ValueError(f"seed must be an integer or None, got {seed!r}")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -171,19 +166,13 @@ class FOOVB(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
-        self._mc_samples = mc_samples
-        self.loss_reduction = loss_reduction
-        self.antithetic = antithetic
-        self.std_growth = std_growth
-        self.cov_momentum = cov_momentum
-        self.posterior_family = posterior
         self.steps_taken = 0
         self.process_group = None  # set by foovb.distributed.distribute
         # The Monte Carlo sample indices this process evaluates: all of them, or a share under MC-parallel
         # torch.distributed training (the update always averages over all mc_samples after the all-reduce).
         self.sample_shard = range(mc_samples)
         self.generator = torch.Generator()
-        self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else seed)
+        self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
         if posterior != "kronecker":  # the matrix-variate blocks initialise themselves
             if init == "alpha":
@@ -196,7 +185,22 @@ class FOOVB(torch.optim.Optimizer):
     @property
     def mc_samples(self) -> int:
         """K, Monte Carlo samples per step (fixed at construction)."""
-        return self._mc_samples
+        return self._fixed["mc_samples"]
+
+    @property
+    def posterior_family(self) -> str:
+        """"diagonal", "kronecker" or "full" (fixed at construction)."""
+        return self._fixed["posterior"]
+
+    @property
+    def loss_reduction(self) -> str:
+        """"sum" or "mean" (fixed at construction)."""
+        return self._fixed["loss_reduction"]
+
+    @property
+    def antithetic(self) -> bool:
+        """Whether the Monte Carlo samples come in pairs (eps, -eps) (fixed at construction)."""
+        return self._fixed["antithetic"]
 
     @property
     def mean_step(self) -> float:
@@ -284,8 +288,8 @@ class FOOVB(torch.optim.Optimizer):
                     )
                 blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth,
-                                            self.cov_momentum) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self._fixed["std_growth"],
+                                            self._fixed["cov_momentum"]) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------
@@ -496,8 +500,10 @@ class FOOVB(torch.optim.Optimizer):
         """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
         (checked before anything changes). mean_step and cov_step are taken from it, as torch optimizers do
         with their learning rates. The tensors are copied."""
-        self._check_loadable(state_dict)
         state_dict = dict(state_dict)
+        if isinstance(state_dict.get("param_groups"), list):  # saved before some hyperparameters existed
+            state_dict["param_groups"] = [{**LEGACY_DEFAULTS, **group} for group in state_dict["param_groups"]]
+        self._check_loadable(state_dict)
         extra = state_dict.pop("foovb")
         super().load_state_dict(state_dict)
         self.generator.set_state(extra["generator"])
@@ -513,7 +519,9 @@ class FOOVB(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
             raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         groups = state_dict["param_groups"]
-        if len(groups) != 1 or len(groups[0]["params"]) != len(self.param_groups[0]["params"]):
+        if len(groups) != 1:
+            raise ValueError(f"a FOOVB state dict has one parameter group, this one has {len(groups)}")
+        if len(groups[0]["params"]) != len(self.param_groups[0]["params"]):
             raise ValueError("the state dict was saved for a model with another number of trainable parameters")
         changed = {key: (groups[0].get(key), value) for key, value in self._fixed.items()
                    if groups[0].get(key) != value}

@@ -44,6 +44,11 @@ def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | N
             f"the batched Monte Carlo path supports parameters of nn.Linear and nn.Conv2d only, found "
             f"parameters in {', '.join(bad)}; use the sequential path FOOVB.step(closure) for this model"
         )
+    for block in blocks:
+        if any(p is not block.module.weight and p is not block.module.bias for p in block.params):
+            raise ValueError(f"{type(block.module).__name__} has parameters other than its weight and bias (e.g. "
+                             "weight_norm's weight_g / weight_v), which the batched Monte Carlo path would not "
+                             "sample; use FOOVB.step(closure) for this model")
     for module in {b.module for b in blocks}:
         base = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
         if type(module).forward is not base.forward or "forward" in vars(module):

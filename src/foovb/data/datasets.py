@@ -64,8 +64,9 @@ class ImageDataset:
                 raise ValueError(f"{self.name}: {split} labels outside [0, {self.num_classes})")
         if self.train_images.shape[1:] != self.test_images.shape[1:]:
             raise ValueError(f"{self.name}: train and test images differ in shape")
-        if len(self.train_images) == 0:
-            raise ValueError(f"{self.name}: the training set is empty")
+        for split in ("train", "test"):
+            if len(getattr(self, f"{split}_images")) == 0:
+                raise ValueError(f"{self.name}: the {split} set is empty")
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -151,8 +152,10 @@ def _read_svhn_mat(path: Path) -> tuple[Tensor, Tensor]:
 def _checked_bytes(values: np.ndarray, path: Path, name: str) -> np.ndarray:
     """`values` as uint8, refusing what a cast would silently change (floats, values outside 0..255)."""
     values = np.asarray(values)
-    if not np.issubdtype(values.dtype, np.integer) or (values.size and not 0 <= values.min() <= values.max() <= 255):
+    if not np.issubdtype(values.dtype, np.integer):
         raise ValueError(f"{path}: {name} must hold integer pixel values in 0..255, got dtype {values.dtype}")
+    if values.size and not 0 <= values.min() <= values.max() <= 255:
+        raise ValueError(f"{path}: {name} must hold pixel values in 0..255, got {values.min()}..{values.max()}")
     return values.astype(np.uint8)
 
 
