@@ -738,24 +738,6 @@ def test_posterior_view_is_a_snapshot(family):
     assert not torch.equal(after.mean, mean) and torch.equal(view.mean, mean + 1)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_closure_must_backpropagate_and_return_the_loss(family):
-    model = mlp()
-    opt = FOOVB(model, family, 3, seed=0)
-    x, y = mlp_batch()
-    posterior, params = posterior_snapshot(opt), params_snapshot(model)
-    with pytest.raises(RuntimeError, match="backward"):
-        opt.step(lambda: F.cross_entropy(model(x), y, reduction="sum"))
-    with pytest.raises(TypeError, match="loss tensor, got NoneType"):
-        opt.step(lambda: ce_closure(model, x, y)() and None)
-    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
-    assert opt.steps_taken == 0
-    with pytest.raises(ValueError, match="loss_reduction='mean' only"):
-        opt.step(ce_closure(model, x, y), batch_size=len(x))  # a summed loss is not rescaled
-    with pytest.raises(ValueError, match="empty batch"):
-        opt.step_batched(x[:0], y[:0])
-
-
 def test_step_hooks_run_for_both_paths():
     model = mlp()
     opt = FOOVB(model, "diagonal", 2, seed=0)
@@ -854,6 +836,10 @@ def test_step_requires_closure_and_batch_size():
         opt.step_batched(x, y[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         opt.step_batched(x, y, chunk_size=0)
+    with pytest.raises(ValueError, match="empty batch"):
+        opt.step_batched(x[:0], y[:0])
+    with pytest.raises(ValueError, match="loss_reduction='mean' only"):  # a summed loss is not rescaled
+        FOOVB(model, "diagonal").step(ce_closure(model, x, y), batch_size=len(x))
 
 
 def _nan_loss_closure(model, x, y):
@@ -876,15 +862,29 @@ def _inf_grad_closure(model, x, y):
     return closure
 
 
+def _no_backward_closure(model, x, y):
+    return lambda: F.cross_entropy(model(x), y, reduction="sum")  # forgets loss.backward()
+
+
+def _no_loss_closure(model, x, y):
+    closure = ce_closure(model, x, y)
+    return lambda: closure() and None  # backpropagates, returns nothing
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("make_closure", [_nan_loss_closure, _inf_grad_closure], ids=["nan-loss", "inf-grad"])
-def test_non_finite_step_raises_and_leaves_everything_unchanged(family, make_closure):
+@pytest.mark.parametrize(
+    ("make_closure", "error", "match"),
+    [(_nan_loss_closure, FloatingPointError, "unchanged"), (_inf_grad_closure, FloatingPointError, "unchanged"),
+     (_no_backward_closure, RuntimeError, "backward"), (_no_loss_closure, TypeError, "loss tensor, got NoneType")],
+    ids=["nan-loss", "inf-grad", "no-backward", "no-loss"],
+)
+def test_failing_step_raises_and_leaves_everything_unchanged(family, make_closure, error, match):
     model = mlp()
     opt = FOOVB(model, family, 3, seed=0)
     x, y = mlp_batch()
     opt.step(ce_closure(model, x, y))  # a normal step first: non-trivial state
     posterior, params = posterior_snapshot(opt), params_snapshot(model)
-    with pytest.raises(FloatingPointError, match="unchanged"):
+    with pytest.raises(error, match=match):
         opt.step(make_closure(model, x, y))
     assert all_equal(posterior_snapshot(opt), posterior)
     assert all_equal(params_snapshot(model), params)
