@@ -34,9 +34,9 @@ SUPPORTED = (nn.Linear, nn.Conv2d)
 
 def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | None = None) -> None:
     """Raise a clear error if the batched path would compute something else than the sequential one: a
-    parameter outside nn.Linear / nn.Conv2d, a forward of such a module other than torch's own (it is
-    replaced by the batched one), or a module of `model` that mixes the rows of a batch (batch norm using
-    batch statistics: the stacked samples would share them)."""
+    parameter outside nn.Linear / nn.Conv2d or other than their weight and bias (weight_norm's), a forward of
+    such a module other than torch's own (it is replaced by the batched one), or a module of `model` that
+    mixes the rows of a batch (batch norm using batch statistics: the stacked samples would share them)."""
     bad = sorted({type(b.module).__name__ if b.module is not None else "<no module>" for b in blocks
                   if not isinstance(b.module, SUPPORTED)})
     if bad:
