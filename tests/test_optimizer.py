@@ -675,11 +675,29 @@ def test_state_dict_of_an_older_version_loads_with_the_settings_it_had(family):
         FOOVB(mlp(seed=0), family, 4, antithetic=True).load_state_dict(saved)
 
 
+@pytest.mark.parametrize(("shrink_only", "std_growth"), [(True, "none"), (False, "paper")])
+def test_state_dict_with_the_shrink_only_option_loads_as_its_std_growth(shrink_only, std_growth):
+    """One early version saved std_growth="none" as shrink_only=True (and "paper" as False)."""
+    saved = FOOVB(mlp(seed=0), "diagonal", 3, std_growth=std_growth, seed=5).state_dict()
+    del saved["param_groups"][0]["std_growth"]
+    saved["param_groups"][0]["shrink_only"] = shrink_only
+    FOOVB(mlp(seed=0), "diagonal", 3, std_growth=std_growth).load_state_dict(saved)
+    other = "paper" if std_growth == "none" else "none"
+    with pytest.raises(ValueError, match=f"std_growth: saved '{std_growth}', here '{other}'"):
+        FOOVB(mlp(seed=0), "diagonal", 3, std_growth=other).load_state_dict(saved)
+
+
 def test_hyperparameters_may_be_numpy_scalars():
-    opt = FOOVB(mlp(), "diagonal", 3, std_init=np.float32(0.05), mean_step=np.float32(0.5), seed=np.int64(2))
+    opt = FOOVB(mlp(), "diagonal", np.int64(3), std_init=np.float32(0.05), mean_step=np.float32(0.5),
+                seed=np.int64(2))
     opt.param_groups[0]["cov_step"] = np.float32(0.5)  # as a schedule computed with numpy might write it
     x, y = mlp_batch()
     opt.step_batched(x, y)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)  # weights_only (the default): plain Python numbers only
+    assert loaded["param_groups"][0]["cov_step"] == 0.5 and type(loaded["param_groups"][0]["std_init"]) is float
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -691,6 +709,9 @@ def test_load_state_dict_refuses_another_architecture(family):
         FOOVB(nn.Linear(4, 3), family, 3, seed=0).load_state_dict(saved)
     with pytest.raises(ValueError, match="not a FOOVB state dict"):
         FOOVB(mlp(), family, 3).load_state_dict(torch.optim.SGD(mlp().parameters(), lr=0.1).state_dict())
+    for bad in (None, [], "state", {**saved, "param_groups": [None]}):
+        with pytest.raises(ValueError, match="not a FOOVB state dict"):
+            FOOVB(mlp(), family, 3).load_state_dict(bad)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -967,6 +988,24 @@ def test_batched_path_rejects_what_it_would_compute_differently(make_model, matc
     with pytest.raises(ValueError, match=match):
         opt.step_batched(x, y)
     opt.step(ce_closure(model, x, y))  # the sequential path handles it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weight_normed_layer_gets_a_posterior_over_its_own_parameters(family):
+    """weight_norm's layer has parameters weight_g / weight_v (its weight is computed): the matrix-variate family
+    cannot factor them, so they fall back to diagonal blocks; the batched path, which samples weight and bias,
+    refuses the layer, and the sequential path trains it."""
+    model = _weight_norm_mlp()
+    opt = FOOVB(model, family, 2, seed=0)
+    layer = model[0]
+    assert {id(p) for b in opt.blocks for p in b.params} == {id(p) for p in model.parameters()}
+    assert opt.posterior(layer.weight_g).std.shape == layer.weight_g.shape
+    x, y = mlp_batch()
+    with pytest.raises(ValueError, match="weight_g"):
+        opt.step_batched(x, y)
+    before = layer.weight_v.detach().clone()
+    opt.step(ce_closure(model, x, y))
+    assert not torch.equal(layer.weight_v.detach(), before)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -114,7 +114,7 @@ class BaselineLearner:
         self.trainable_parameters: dict[str, nn.Parameter] = {
             name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad
         }
-        self.optimizer = OPTIMIZERS[optimizer](self.trainable_parameters.values(), lr=lr)
+        self.optimizer = OPTIMIZERS[optimizer](self.trainable_parameters.values(), lr=float(lr))
 
     def _head_logits(self, logits: Tensor, task: int | None) -> Tensor:
         """The logits of ``task``'s head (all logits for a single-head model)."""

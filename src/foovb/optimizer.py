@@ -50,6 +50,17 @@ FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "anti
 LEGACY_DEFAULTS = {"cov_step": 1.0, "antithetic": False, "std_growth": "paper", "cov_momentum": 0.0}
 
 
+def _upgrade_group(group: object) -> object:
+    """A saved parameter group in the current format: keys of later versions at the values that reproduce what
+    the saving version did (`shrink_only`, one version's name for std_growth="none", mapped)."""
+    if not isinstance(group, dict):
+        return group
+    group = dict(group)
+    if "shrink_only" in group and "std_growth" not in group:
+        group["std_growth"] = "none" if group.pop("shrink_only") else "paper"
+    return {**LEGACY_DEFAULTS, **group}
+
+
 def _check_step_sizes(mean_step: object, cov_step: object) -> None:
     for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
         if not (is_real(step) and math.isfinite(step) and step > 0):
@@ -160,9 +171,12 @@ class FOOVB(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
+        # Python numbers in param_groups (numpy scalars would not load with torch.load's weights_only default)
+        mc_samples, max_full_params = int(mc_samples), int(max_full_params)
+        std_init, alpha, cov_momentum = float(std_init), float(alpha), float(cov_momentum)
         defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
-                        mean_step=mean_step, cov_step=cov_step, loss_reduction=loss_reduction, antithetic=antithetic,
-                        std_growth=std_growth, cov_momentum=cov_momentum)
+                        mean_step=float(mean_step), cov_step=float(cov_step), loss_reduction=loss_reduction,
+                        antithetic=bool(antithetic), std_growth=std_growth, cov_momentum=cov_momentum)
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
@@ -203,6 +217,16 @@ class FOOVB(torch.optim.Optimizer):
         return self._fixed["antithetic"]
 
     @property
+    def std_growth(self) -> str:
+        """How the diagonal family's sigma may grow: "paper", "capped" or "none" (fixed at construction)."""
+        return self._fixed["std_growth"]
+
+    @property
+    def cov_momentum(self) -> float:
+        """rho of the diagonal family's average of E[g eps] over steps (fixed at construction)."""
+        return self._fixed["cov_momentum"]
+
+    @property
     def mean_step(self) -> float:
         """eta, read from `param_groups[0]["mean_step"]` at every step (a schedule may change it)."""
         return self.param_groups[0]["mean_step"]
@@ -226,6 +250,7 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError(f"param_groups[0][{key!r}] was changed from {value!r} to {group[key]!r}; it is "
                                  "fixed at construction (build a new FOOVB); only mean_step and cov_step may change")
         _check_step_sizes(group["mean_step"], group["cov_step"])
+        group["mean_step"], group["cov_step"] = float(group["mean_step"]), float(group["cov_step"])
 
     # -- construction ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -272,6 +297,8 @@ class FOOVB(torch.optim.Optimizer):
             seen.update(id(p) for p in direct)
             module_std = layer_std.get(id(module), std_init)
             if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
+                    and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
+                    and all(p is module.weight or p is module.bias for p in direct)
                     and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
                 if module.bias is not None and not module.bias.requires_grad:
                     raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
@@ -288,8 +315,8 @@ class FOOVB(torch.optim.Optimizer):
                     )
                 blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self._fixed["std_growth"],
-                                            self._fixed["cov_momentum"]) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth,
+                                            self.cov_momentum) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------
@@ -500,9 +527,11 @@ class FOOVB(torch.optim.Optimizer):
         """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
         (checked before anything changes). mean_step and cov_step are taken from it, as torch optimizers do
         with their learning rates. The tensors are copied."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
+            raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         state_dict = dict(state_dict)
-        if isinstance(state_dict.get("param_groups"), list):  # saved before some hyperparameters existed
-            state_dict["param_groups"] = [{**LEGACY_DEFAULTS, **group} for group in state_dict["param_groups"]]
+        if isinstance(state_dict["param_groups"], list):
+            state_dict["param_groups"] = [_upgrade_group(group) for group in state_dict["param_groups"]]
         self._check_loadable(state_dict)
         extra = state_dict.pop("foovb")
         super().load_state_dict(state_dict)
@@ -516,9 +545,9 @@ class FOOVB(torch.optim.Optimizer):
         self.load_mean_into_model()
 
     def _check_loadable(self, state_dict: dict) -> None:
-        if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
-            raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         groups = state_dict["param_groups"]
+        if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+            raise ValueError("not a FOOVB state dict: 'param_groups' must be a list of dicts")
         if len(groups) != 1:
             raise ValueError(f"a FOOVB state dict has one parameter group, this one has {len(groups)}")
         if len(groups[0]["params"]) != len(self.param_groups[0]["params"]):
