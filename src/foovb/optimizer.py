@@ -73,7 +73,8 @@ class FOOVB(torch.optim.Optimizer):
     Args:
         model: the network. Its parameters are the posterior means; after every step they hold the mean.
         posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
-            Algorithm 3, per nn.Linear / nn.Conv2d; other parameters fall back to diagonal) or "full"
+            Algorithm 3, per nn.Linear / nn.Conv2d whose parameters are its weight and bias; other parameters,
+            e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
             (multivariate, Algorithm 2, one full covariance per module; small layers only).
         mc_samples: K, Monte Carlo samples per step. K = 1 is allowed but unstable: one sample's E[g eps] can
             be strongly negative, inflating sigma and then the mean step sigma^2 E[g] (the paper uses 10).
