@@ -119,6 +119,22 @@ def test_invalid_inputs_raise(m, t, message):
         solve_fixed_point(m, t)
 
 
+def test_float32_m_symmetric_up_to_its_rounding_is_accepted():
+    g = make_generator(11)
+    a = torch.randn(50, 50, generator=g)
+    m = a @ torch.diag(torch.rand(50, generator=g) + 0.5) @ a.T  # float32: asymmetric in the last bits
+    assert (m - m.T).abs().max() > 1e-8 * m.abs().max()
+    t = 0.01 * torch.randn(50, 50, generator=g)
+    x = solve_fixed_point(m, t)
+    assert x.dtype == torch.float32
+    residual = x.double() @ x.double().T + m.double() @ t.double() @ x.double().T - m.double()
+    assert residual.abs().max() < 1e-4 * m.abs().max()
+    lopsided = m.clone()
+    lopsided[0, 1] += 1e-3 * m.abs().max()  # far above float32 rounding: still refused
+    with pytest.raises(ValueError, match="symmetric"):
+        solve_fixed_point(lopsided, t)
+
+
 def test_numerically_singular_m_is_rejected():
     g = make_generator(7)
     accepted = 0

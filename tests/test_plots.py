@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+import foovb.plots as plots_module
 from foovb.plots import (
     curve_styles,
     plot_accuracy_matrix,
@@ -107,3 +108,33 @@ def test_accuracy_matrix_writes_png(tmp_path):
 def test_accuracy_matrix_rejects_bad_input(tmp_path, bad_matrix):
     with pytest.raises(ValueError, match="accuracy matrix"):
         plot_accuracy_matrix(bad_matrix, tmp_path / "bad.png")
+
+
+@pytest.fixture
+def drawn_figures(monkeypatch):
+    """The figures the plot functions save (nothing written)."""
+    figures = []
+    monkeypatch.setattr(plots_module, "_save", lambda figure, path, tight_layout=True: figures.append(figure))
+    return figures
+
+
+@pytest.mark.parametrize("shape", [(5, 5), (50, 10), (5, 40)])
+def test_accuracy_matrix_ticks_are_one_based_at_any_size(drawn_figures, shape):
+    plot_accuracy_matrix(np.full(shape, 0.9), "unused.png")
+    axes = drawn_figures[0].axes[0]
+    for axis in (axes.yaxis, axes.xaxis):
+        formatter = axis.get_major_formatter()
+        labels = [formatter(tick, index) for index, tick in enumerate(axis.get_ticklocs()) if tick >= 0]
+        assert labels[0] == "1", labels  # cell 0 is task / evaluation 1
+
+
+def test_std_histograms_use_the_given_labels(drawn_figures, tmp_path):
+    stds = [np.full(10, 0.04), np.full(10, 0.03)]
+    plot_std_histograms(stds, "unused.png", labels=["100 iterations (0.50 tasks)", "200 iterations (1.00 tasks)"])
+    legend = [text.get_text() for text in drawn_figures[0].axes[0].get_legend().get_texts()]
+    assert legend == ["100 iterations (0.50 tasks)", "200 iterations (1.00 tasks)"]
+    plot_std_histograms(stds, "unused.png")
+    assert [t.get_text() for t in drawn_figures[1].axes[0].get_legend().get_texts()] == ["after task 1", "after task 2"]
+    with pytest.raises(ValueError, match="1 labels for 2"):
+        plot_std_histograms(stds, tmp_path / "bad.png", labels=["one"])
+

@@ -235,6 +235,20 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
     assert "--plot-runs" in capsys.readouterr().err
 
 
+def test_std_histograms_are_labelled_by_evaluation(tmp_path, monkeypatch) -> None:
+    """Continuous runs with eval_every also evaluate inside task periods: their histograms say where."""
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_std_histograms",
+                        lambda stds, path, initial_std=None, labels=None, title="": drawn.update(labels=labels))
+    config = config_from_dict(quick(**{
+        "scenario.kind": "continuous_permuted_mnist", "scenario.iterations_per_task": 10, "scenario.eval_every": 5,
+        "scenario.train_subset": "null", "scenario.epochs_per_task": 20, "learner.params.mc_samples": 2,
+        "threads": 1}))
+    run(config, tmp_path / "cont", progress=False)
+    assert drawn["labels"] == ["5 iterations (0.50 tasks)", "10 iterations (1.00 tasks)",
+                               "15 iterations (1.50 tasks)", "20 iterations (2.00 tasks)"]
+
+
 def test_compare_names_runs_of_equal_directory_names_by_their_paths(finished_run, tmp_path, capsys) -> None:
     run_dir, _ = finished_run
     copies = [tmp_path / parent / run_dir.name for parent in ("x", "y")]

@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 from numpy.typing import ArrayLike
 
 Curve = tuple[ArrayLike, ArrayLike]
@@ -102,11 +102,13 @@ def plot_std_histograms(
     log_x: bool = True,
     num_bins: int = 60,
     title: str = "Posterior STD histogram at the end of each task",
+    labels: Sequence[str] | None = None,
 ) -> Path:
     """Overlaid histograms of the posterior STD values at the end of each task (paper Fig. 3).
 
     Args:
-        stds_per_task: one array of STD values (any shape, flattened) per task.
+        stds_per_task: one array of STD values (any shape, flattened) per task (or per evaluation).
+        labels: one legend label per array; default "after task 1", "after task 2", ...
         initial_std: if given, drawn as a dashed vertical line (the prior STD, e.g. 0.047).
         log_x: logarithmic STD axis with log-spaced bins (all values must then be positive).
     """
@@ -118,6 +120,10 @@ def plot_std_histograms(
             raise ValueError(f"task {task_index + 1}: STD values must be non-empty, finite and >= 0")
         if log_x and np.any(values == 0):
             raise ValueError(f"task {task_index + 1}: STD values must be > 0 for a logarithmic axis")
+    if labels is None:
+        labels = [f"after task {index + 1}" for index in range(len(stds))]
+    if len(labels) != len(stds):
+        raise ValueError(f"{len(labels)} labels for {len(stds)} STD arrays")
     if initial_std is not None and not (np.isfinite(initial_std) and initial_std > 0):
         raise ValueError(f"initial_std must be a positive finite number, got {initial_std}")
     lowest = min(values.min() for values in stds)
@@ -129,8 +135,8 @@ def plot_std_histograms(
 
     figure = Figure(figsize=(6.4, 4.4))
     axes = figure.add_subplot()
-    for task_index, values in enumerate(stds):
-        axes.hist(values, bins=bins, histtype="stepfilled", alpha=0.35, label=f"after task {task_index + 1}")
+    for label, values in zip(labels, stds, strict=True):
+        axes.hist(values, bins=bins, histtype="stepfilled", alpha=0.35, label=label)
     if initial_std is not None:
         axes.axvline(initial_std, color="black", linestyle="--", label=f"initial STD {initial_std:g}")
     if log_x:
@@ -207,9 +213,12 @@ def plot_accuracy_matrix(
             value = matrix[row, task]
             text_color = "black" if image.norm(value) > 0.6 else "white"  # readable on the viridis colours
             axes.text(task, row, f"{value:.2f}", ha="center", va="center", color=text_color, fontsize=7)
-        axes.set_yticks(range(num_rows), [str(row + 1) for row in range(num_rows)])
-    if num_tasks <= 30:
-        axes.set_xticks(range(num_tasks), [str(task + 1) for task in range(num_tasks)])
+    for axis, count in ((axes.yaxis, num_rows), (axes.xaxis, num_tasks)):  # 1-based labels, every tick or some
+        if count <= 30:
+            axis.set_ticks(range(count), [str(index + 1) for index in range(count)])
+        else:
+            axis.set_major_locator(MaxNLocator(integer=True))
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value + 1:g}"))
     axes.set_title(title)
     axes.set_xlabel("Evaluated task j")
     axes.set_ylabel("Training stage / evaluation i")

@@ -345,8 +345,17 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
         params = config.learner.params
         diagonal = (config.learner.kind == "foovb" and params.get("posterior", "diagonal") == "diagonal"
                     and params.get("init", "paper") != "alpha")  # "alpha": one initial std per layer
+        position = dict(zip((r["iteration"] for r in records), stages, strict=True))
+        at = [position[int(key.removeprefix("iteration_"))] for key in stds]  # evaluations, in tasks seen
+        if all(float(x).is_integer() for x in at):
+            labels, title = [f"after task {x:g}" for x in at], "Posterior STD histogram at the end of each task"
+        else:  # the continuous scenario with eval_every also evaluates inside task periods
+            labels = [f"{key.removeprefix('iteration_')} iterations ({x:.2f} tasks)"
+                      for key, x in zip(stds, at, strict=True)]
+            title = "Posterior STD histogram at each evaluation"
         plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
-                                  initial_std=params.get("std_init", 0.047) if diagonal else None)
+                                  initial_std=params.get("std_init", 0.047) if diagonal else None,
+                                  labels=labels, title=title)
     if hasattr(scenario, "task_probabilities"):
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
         plots.plot_task_schedule(iterations, scenario.task_probabilities(iterations).numpy(),
