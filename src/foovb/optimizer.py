@@ -50,6 +50,14 @@ FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "anti
 LEGACY_DEFAULTS = {"cov_step": 1.0, "antithetic": False, "std_growth": "paper", "cov_momentum": 0.0}
 
 
+def _fixed_setting(key: str, doc: str) -> property:
+    return property(lambda self: self._fixed[key], doc=f"{doc} Fixed at construction.")
+
+
+def _step_size(key: str, doc: str) -> property:
+    return property(lambda self: self.param_groups[0][key], doc=f"{doc} Read from param_groups[0] at every step.")
+
+
 def _upgrade_group(group: object) -> object:
     """A saved parameter group in the current format: keys of later versions at the values that reproduce what
     the saving version did (`shrink_only`, one version's name for std_growth="none", mapped)."""
@@ -197,45 +205,16 @@ class FOOVB(torch.optim.Optimizer):
         self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params, layer_std)
         self.load_mean_into_model()
 
-    @property
-    def mc_samples(self) -> int:
-        """K, Monte Carlo samples per step (fixed at construction)."""
-        return self._fixed["mc_samples"]
-
-    @property
-    def posterior_family(self) -> str:
-        """"diagonal", "kronecker" or "full" (fixed at construction)."""
-        return self._fixed["posterior"]
-
-    @property
-    def loss_reduction(self) -> str:
-        """"sum" or "mean" (fixed at construction)."""
-        return self._fixed["loss_reduction"]
-
-    @property
-    def antithetic(self) -> bool:
-        """Whether the Monte Carlo samples come in pairs (eps, -eps) (fixed at construction)."""
-        return self._fixed["antithetic"]
-
-    @property
-    def std_growth(self) -> str:
-        """How the diagonal family's sigma may grow: "paper", "capped" or "none" (fixed at construction)."""
-        return self._fixed["std_growth"]
-
-    @property
-    def cov_momentum(self) -> float:
-        """rho of the diagonal family's average of E[g eps] over steps (fixed at construction)."""
-        return self._fixed["cov_momentum"]
-
-    @property
-    def mean_step(self) -> float:
-        """eta, read from `param_groups[0]["mean_step"]` at every step (a schedule may change it)."""
-        return self.param_groups[0]["mean_step"]
-
-    @property
-    def cov_step(self) -> float:
-        """beta, read from `param_groups[0]["cov_step"]` at every step (a schedule may change it)."""
-        return self.param_groups[0]["cov_step"]
+    # Read-only views of the construction-time settings (param_groups shows them too; changing them is refused)
+    mc_samples = _fixed_setting("mc_samples", "K, Monte Carlo samples per step.")
+    posterior_family = _fixed_setting("posterior", '"diagonal", "kronecker" or "full".')
+    loss_reduction = _fixed_setting("loss_reduction", '"sum" or "mean".')
+    antithetic = _fixed_setting("antithetic", "Whether the Monte Carlo samples come in pairs (eps, -eps).")
+    std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
+    cov_momentum = _fixed_setting("cov_momentum", "rho of the diagonal family's average of E[g eps] over steps.")
+    # The step sizes, read from param_groups at every step (a schedule may change them there)
+    mean_step = _step_size("mean_step", "eta of the mean update mu <- mu - eta Sigma E[g].")
+    cov_step = _step_size("cov_step", "beta, the multiplier of E[g eps^T] in the covariance update.")
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "blocks"):
