@@ -1,6 +1,7 @@
 """foovb.FOOVB: the update rules of Algorithms 2-4 against closed forms, exact Bayes on linear regression,
 sequential == batched paths, persistence, input validation, posterior views and the paper initialisation."""
 
+import contextlib
 import io
 import math
 import warnings
@@ -757,6 +758,86 @@ def test_posterior_view_is_a_snapshot(family):
     _steps(model, opt, 0, 1)
     after = opt.posterior(model[0].weight)
     assert not torch.equal(after.mean, mean) and torch.equal(view.mean, mean + 1)
+
+
+def _bf16(enabled=True):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def _two_steps_with_autocast(family, outside):
+    """A step and a batched step with bf16 autocast around them (outside) or inside the closure only; returns
+    the posterior and the closure's outputs, one per sample."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    x, y = mlp_batch()
+    outputs = []
+
+    def closure():
+        with contextlib.nullcontext() if outside else _bf16():
+            out = model(x)
+        outputs.append(out.detach().float())
+        loss = F.cross_entropy(out.float(), y, reduction="sum")
+        loss.backward()
+        return loss
+
+    with _bf16() if outside else contextlib.nullcontext():
+        opt.step(closure)
+    with _bf16():
+        opt.step_batched(x, y)  # the batched path under autocast (Kronecker: float32 statistics)
+    return posterior_snapshot(opt), outputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_inside_autocast_evaluates_every_sample(family):
+    """Autocast around the whole step: each sample's weights are cast afresh (the region caches casts of
+    parameters that the step overwrites in place), and the posterior's arithmetic stays in float32, so the
+    update is the one with autocast inside the closure only (up to the backward pass, which then runs under
+    autocast too)."""
+    outside, outputs = _two_steps_with_autocast(family, outside=True)
+    inside, inside_outputs = _two_steps_with_autocast(family, outside=False)
+    assert all(t.dtype == torch.float32 for t in outside)
+    for a, b in zip(outputs, inside_outputs, strict=True):  # the same four networks, cast afresh each time
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(outside, inside, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autocast_cache_of_an_outer_disabled_region_is_dropped(family):
+    """autocast(enabled=False) around a step whose closure enables it: the inner region is not the outermost,
+    so torch keeps its cache across samples unless the optimizer drops it."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 3, seed=3)
+    x, y = mlp_batch()
+    errors = []
+
+    def closure():
+        with _bf16():
+            out = model(x)
+        with _bf16(enabled=False):
+            errors.append(float((out.detach().float() - model(x).detach()).abs().max()))
+        loss = F.cross_entropy(out.float(), y, reduction="sum")
+        loss.backward()
+        return loss
+
+    with _bf16(enabled=False):
+        opt.step(closure)
+    assert max(errors) < 0.1  # bf16 rounding, not another sample's weights
+
+
+def test_sampled_weights_inside_autocast_give_the_sampled_network():
+    model = mlp(seed=0)
+    opt = FOOVB(model, "kronecker", 2, seed=0)
+    x, _ = mlp_batch()
+    with _bf16(), torch.no_grad():
+        mean_output = model(x)
+        with opt.sampled_weights(seed=1):
+            first = model(x)
+        with opt.sampled_weights(seed=2):
+            second = model(x)
+        again = model(x)
+    assert not torch.equal(first, mean_output) and not torch.equal(first, second)
+    assert torch.equal(again, mean_output)
 
 
 def test_step_hooks_run_for_both_paths():

@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .linalg import LowRank
-from .posteriors import FAMILIES, DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, PosteriorView
+from .posteriors import (
+    FAMILIES,
+    DiagonalBlock,
+    FullBlock,
+    KroneckerBlock,
+    PosteriorBlock,
+    PosteriorView,
+    drop_autocast_cache,
+    full_precision,
+)
 from .sampled import SampledNetwork, check_batched_support
 from .validation import is_integer, is_real
 
@@ -72,7 +81,7 @@ def _upgrade_group(group: object) -> object:
 def _check_step_sizes(mean_step: object, cov_step: object) -> None:
     for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
         if not (is_real(step) and math.isfinite(step) and step > 0):
-            raise ValueError(f"{name} must be positive and finite, got {step!r}")
+            raise ValueError(f"{name} must be a positive finite number (Python or numpy scalar), got {step!r}")
 
 
 class FOOVB(torch.optim.Optimizer):
@@ -314,6 +323,7 @@ class FOOVB(torch.optim.Optimizer):
         for block in self.blocks:
             for param, mean in zip(block.params, block.mean_values(), strict=True):
                 param.copy_(mean)
+        drop_autocast_cache()
 
     def draw_noise(self, seed: int, samples: range, *, antithetic: bool = False) -> dict[PosteriorBlock, Tensor]:
         """eps for the given sample indices, (len(samples), *noise_shape) per block.
@@ -358,9 +368,11 @@ class FOOVB(torch.optim.Optimizer):
     @torch.no_grad()
     def load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
         """Load the network of row `row` of `noises` (from `draw_noise`) into the model."""
-        for block, noise in noises.items():
-            for param, value in zip(block.params, block.sample(noise[row : row + 1]), strict=True):
-                param.copy_(value[0])
+        with full_precision():
+            for block, noise in noises.items():
+                for param, value in zip(block.params, block.sample(noise[row : row + 1]), strict=True):
+                    param.copy_(value[0])
+        drop_autocast_cache()
 
     # -- training --------------------------------------------------------------------------------------------
     def _check_gradients(self) -> None:
@@ -409,10 +421,11 @@ class FOOVB(torch.optim.Optimizer):
                     raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
                 losses.append(float(loss.detach()))
                 self._check_gradients()
-                for block in self.blocks:
-                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
-                             for p in block.params]
-                    block.accumulate(stats[block], noises[block], grads)
+                with full_precision():
+                    for block in self.blocks:
+                        grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
+                                 for p in block.params]
+                        block.accumulate(stats[block], noises[block], grads)
         finally:
             self.load_mean_into_model()
         return self._apply_update(stats, losses, self.mc_samples)
@@ -460,7 +473,8 @@ class FOOVB(torch.optim.Optimizer):
                     # sum: d(sum_k L_k)/d theta_k = g_k; mean over c r rows: scale back to the summed loss
                     grad_scale = 1.0 if self.loss_reduction == "sum" else float(c * rows)
                     loss.backward()
-                network.accumulate(stats, grad_scale, shared_inputs)
+                with full_precision():
+                    network.accumulate(stats, grad_scale, shared_inputs)
             value = float(loss.detach())
             per_sample = value / c if self.loss_reduction == "sum" else value
             losses.extend([per_sample] * c)
@@ -487,8 +501,9 @@ class FOOVB(torch.optim.Optimizer):
             where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
             raise FloatingPointError(
                 f"non-finite values in {where} at step {self.steps_taken}; the posterior was left unchanged")
-        for block in self.blocks:
-            block.update(stats[block], num_samples, self.mean_step, self.cov_step)
+        with full_precision():
+            for block in self.blocks:
+                block.update(stats[block], num_samples, self.mean_step, self.cov_step)
         self.load_mean_into_model()
         self.steps_taken += 1
         return sum(losses) / len(losses)

@@ -11,9 +11,10 @@ keeps in `Optimizer.state`, so `state_dict()` saves them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,30 @@ __all__ = [
     "FullBlock",
     "PosteriorView",
     "FAMILIES",
+    "full_precision",
+    "drop_autocast_cache",
 ]
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Autocast off inside: the posterior's own arithmetic (sampling, statistics, update) runs in the state's
+    dtype even when the caller runs a step or a prediction inside `torch.autocast`, which should change the
+    model's forward and backward only."""
+    with contextlib.ExitStack() as stack:
+        for device_type in AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def drop_autocast_cache() -> None:
+    """Call after overwriting parameters in place: an enclosing autocast region (even a disabled one around an
+    enabled one, which then keeps its cache until the outermost exits) caches the low-precision copy of each
+    weight and would otherwise keep using the copy made from the previous values. Clearing is cheap."""
+    torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .posteriors import KroneckerBlock, PosteriorBlock
+from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
 
 __all__ = ["SampledNetwork", "check_batched_support"]
 
@@ -78,7 +78,7 @@ class _Layer:
         self.saved: dict[str, Tensor] = {}
         if not self.factored:
             values = {}
-            with torch.no_grad():
+            with torch.no_grad(), full_precision():
                 for block, noise in zip(blocks, noises, strict=True):
                     for param, value in zip(block.params, block.sample(noise), strict=True):
                         values[param] = value.requires_grad_(track_grad)
@@ -160,14 +160,15 @@ class _Layer:
             if self.saved:
                 raise ValueError("a matrix-variate nn.Linear was called twice in one forward pass (shared weights): "
                                  "the batched path cannot attribute its statistics; use FOOVB.step(closure)")
-            self.saved = {"x": rows.detach(), "noise_pre": noise_pre.detach()}
+            dtype = mean.dtype  # under autocast the forward runs in low precision; the statistics do not
+            self.saved = {"x": rows.detach().to(dtype), "noise_pre": noise_pre.detach().to(dtype)}
             if not y.requires_grad:  # first layer: nothing upstream needs gradients, but Delta_k does
                 y.requires_grad_()
             y.register_hook(self._save_delta)
         return y.flatten(0, 1)
 
     def _save_delta(self, grad: Tensor) -> None:
-        self.saved["delta"] = grad
+        self.saved["delta"] = grad.to(self.blocks[0].state["mean"].dtype)
 
     def accumulate(self, stats: dict[PosteriorBlock, dict], grad_scale: float, shared_inputs: dict) -> None:
         if not self.factored:
