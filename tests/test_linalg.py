@@ -133,6 +133,10 @@ def test_float32_m_symmetric_up_to_its_rounding_is_accepted():
     lopsided[0, 1] += 1e-3 * m.abs().max()  # far above float32 rounding: still refused
     with pytest.raises(ValueError, match="symmetric"):
         solve_fixed_point(lopsided, t)
+    skewed = torch.eye(300, dtype=torch.bfloat16)
+    skewed[0, 1] = 0.9  # not a rounding error even at bfloat16's precision, for a large matrix
+    with pytest.raises(ValueError, match="symmetric"):
+        solve_fixed_point(skewed, torch.zeros_like(skewed))
 
 
 def test_numerically_singular_m_is_rejected():

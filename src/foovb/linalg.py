@@ -34,6 +34,7 @@ whenever T is symmetric positive semi-definite in the frame of A.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,9 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float | None = None
     Args:
         M: symmetric positive definite (N, N) matrix (the prior covariance V in the paper).
         T: (N, N) matrix (the Monte Carlo estimate E[grad L(theta) eps^T]).
-        symmetry_tol: allowed relative asymmetry of M; default max(1e-8, N eps) for M's floating dtype, so
-            that a float32 M, symmetric up to its rounding, is accepted.
+        symmetry_tol: allowed relative asymmetry of M; default max(1e-8, 4 sqrt(N) eps) for M's floating
+            dtype (the rounding of a product of N terms), so that a float32 M symmetric up to its rounding is
+            accepted.
 
     Returns:
         X (N, N), nonsingular, in the dtype of M. Computed in float64 as X = A U h(s) W^T, where M = A A^T
@@ -79,7 +81,7 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float | None = None
     m64, t64 = M.to(torch.float64), T.to(torch.float64)
     if symmetry_tol is None:
         eps = torch.finfo(M.dtype if M.is_floating_point() else torch.float64).eps
-        symmetry_tol = max(1e-8, M.shape[0] * eps)
+        symmetry_tol = max(1e-8, 4 * math.sqrt(M.shape[0]) * eps)
     scale = m64.abs().max()
     if (m64 - m64.T).abs().max() > symmetry_tol * scale:
         raise ValueError("M must be symmetric")
