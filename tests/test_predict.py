@@ -152,6 +152,20 @@ def test_unsupported_module_falls_back_to_sequential_samples(family):
     assert (samples[0] - samples[1]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("make_model", [lambda: mlp(seed=0), _layernorm_model], ids=["batched", "sequential"])
+def test_sampled_networks_inside_autocast_are_the_sampled_networks(family, make_model):
+    """Each sampled network is cast afresh inside an enclosing autocast region (its cache would otherwise hold
+    the first network's weights): the samples match the float32 ones to bf16 precision."""
+    model, opt = trained(family, model=make_model())
+    x, _ = mlp_batch(seed=5)
+    exact = sample_probabilities(opt, x, K, seed=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = sample_probabilities(opt, x, K, seed=10)
+    torch.testing.assert_close(low.float(), exact, rtol=0, atol=0.02)
+    assert (exact[0] - exact[1]).abs().max() > 0.05  # distinct networks, so a stale cache would show
+
+
 def test_batched_and_fallback_prediction_paths_draw_the_same_networks(monkeypatch):
     _, opt = trained("diagonal")
     x, _ = mlp_batch(seed=5)
