@@ -13,7 +13,7 @@ loss and the prediction.
 * ``SGDLearner``, ``AdamLearner``, ``AdagradLearner``: plain optimisers (defaults: the paper's best learning
   rates on discrete permuted MNIST, appendix table "Adam, SGD and Adagrad").
 * ``OnlineEWCLearner``, ``MASLearner``: consolidation taken at every iteration instead of at task switches,
-  the task-agnostic adaptation used in the paper (section "Inapplicability of other CL algorithms").
+  the task-agnostic adaptation used in the paper (paragraph "Inapplicability of other CL algorithms").
 * ``SILearner``: Synaptic Intelligence, task-aware (consolidates when the task id changes).
 """
 
@@ -234,7 +234,9 @@ class AdagradLearner(BaselineLearner):
 
 
 class PerIterationConsolidationLearner(BaselineLearner, ABC):
-    """Quadratic-penalty method whose consolidation is taken at every iteration (task-agnostic adaptation).
+    """Quadratic-penalty method whose consolidation is taken at every iteration (task-agnostic adaptation: the
+    paper's paragraph "Inapplicability of other CL algorithms" takes the core action at every iteration; the
+    proximal form of step 3 below is this project's choice, explained after the list).
 
     The regulariser is ``1/2 * sum_k curvature_scale * I_k * (theta_k - anchor_k)^2`` with a running
     importance ``I`` and the anchor set to the current parameters after every step. Each ``observe``, with

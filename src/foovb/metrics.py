@@ -137,14 +137,15 @@ def _require_two_tasks(matrix: np.ndarray, metric: str) -> None:
 
 
 def average_accuracy(accuracy_matrix: ArrayLike) -> np.ndarray:
-    """Average accuracy over the tasks seen so far after each stage: ``A_i = mean_{j<=i} R[i, j]``."""
+    """Average accuracy over the tasks seen so far after each stage: ``A_i = mean_{j<=i} R[i, j]`` (the paper's
+    figure "permuted_mnist_avg_acc")."""
     matrix = validate_accuracy_matrix(accuracy_matrix)
     seen = np.tril(np.ones_like(matrix, dtype=bool))
     return np.where(seen, matrix, 0.0).sum(axis=1) / seen.sum(axis=1)
 
 
 def first_task_accuracy(accuracy_matrix: ArrayLike) -> np.ndarray:
-    """Accuracy on the first task after each stage, ``R[:, 0]``."""
+    """Accuracy on the first task after each stage, ``R[:, 0]`` (the paper's figure "permuted_mnist_first_task_acc")."""
     return validate_accuracy_matrix(accuracy_matrix)[:, 0].copy()
 
 

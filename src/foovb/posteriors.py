@@ -1,4 +1,5 @@
-"""The three Gaussian posterior families of FOO-VB (paper, Section 3), one object per block of parameters.
+"""The three Gaussian posterior families of FOO-VB (paper, Section 4, "Proposed Theoretical Approach"; their
+updates are Algorithms 2-4), one object per block of parameters.
 
 A *block* is the unit whose posterior is independent of the others (the paper factors the covariance between
 layers): a single parameter tensor (diagonal), a Linear/Conv2d layer's weight with its bias as an extra input
@@ -261,7 +262,9 @@ class KroneckerBlock(PosteriorBlock):
         p, n = mean.shape
         e1 = stats["psi_sum"] / num_samples
         e2 = stats["psi_b_phi"].scaled(cov_step / (p * num_samples))  # mean (1/p) Psi^T B Phi
-        e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))  # mean (1/n) Psi A Phi^T
+        # mean (1/n) Psi A Phi^T (p x p), as in the appendix "Derivation of the fixed-point equations for the matrix
+        # variate Gaussian"; Algorithm 3 prints Psi^T A Phi, which has no consistent shape (a typo)
+        e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))
         # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2)
         mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
         self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)

@@ -1,10 +1,11 @@
 """Predictions from a FOO-VB posterior.
 
 Three ways to predict, all reported by the evaluation (`metrics.accuracy` modes):
-* "mean": the network at the posterior mean (the paper's diagonal experiments test this way);
+* "mean": the network at the posterior mean (appendix "Implementation details": the diagonal experiments
+  test with the learned mean);
 * "bma": the Bayesian model average, the mean of the softmax outputs of K sampled networks;
-* "single": the mean accuracy of the K sampled networks taken one at a time (what the reference
-  implementation of the matrix-variate version reports, with K = 2500).
+* "single": the mean accuracy of the K sampled networks taken one at a time (appendix "Implementation
+  details": the matrix-variate experiments average the accuracy of 2500 sampled networks).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ parallel samples. This module is the parallel one. While `SampledNetwork` is act
       sum_k Psi_k              = sum_k Delta_k^T X
       sum_k Psi_k^T B Phi_k    = X^T (sum_k Delta_k B Phi_k)          (rank <= rows: a `LowRank`)
       sum_k Psi_k A Phi_k^T    = sum_k Delta_k^T (X A Phi_k^T).
+  These are K times Algorithm 3's E1 and (up to 1/p, 1/n) E2 and E3, with E3 in the appendix's form
+  E[Psi A Phi^T] ("Derivation of the fixed-point equations for the matrix variate Gaussian").
 """
 
 from __future__ import annotations

@@ -307,7 +307,10 @@ class ContinuousPermutedMNIST(_PermutedMNISTStream):
     With ``D = iterations_per_task`` and ``u = i / D`` at iteration ``i``, task ``t`` has weight
     ``p_t(i) = clip(1/2 + 2 min(u - t, t + 1 - u), 0, 1)``: full weight on ``[t + 1/4, t + 3/4]`` and linear
     ramps of length ``D/2`` centred on ``u = t`` (in) and ``u = t + 1`` (out), where the neighbouring task
-    ramps the other way, so the weights sum to 1. Task 0 never ramps in and the last task never ramps out. The
+    ramps the other way, so the weights sum to 1. Task 0 never ramps in and the last task never ramps out. (The
+    paper's text states that at most two tasks mix during a transition and that a task lasts 9380 iterations;
+    its figure, missing from the LaTeX source, would show the ramp. This ramp is the project's reconstruction;
+    a review found it equal to the task probabilities of the authors' published code, to 3e-8.) The
     number of samples of each task in a batch is Multinomial(batch_size, p(i)); the batch's images are
     drawn without replacement from the whole training set, independently for every batch (i.e. with
     replacement across batches, appendix "Continuous permuted MNIST"). The default duration, 9380 iterations
