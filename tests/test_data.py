@@ -94,6 +94,17 @@ def test_mnist_md5_verification_rejects_modified_copy(tmp_path):
         load_mnist(tmp_path)
 
 
+def test_mnist_folder_without_checksum_file_is_checked_against_the_original_sums(tmp_path):
+    """A folder of the four original files (as downloaded) needs no MD5SUMS of its own; other files are refused."""
+    for name in IDX_NAMES:
+        shutil.copy(EMBEDDED_MNIST / f"{name}.gz", tmp_path / f"{name}.gz")
+    assert not (tmp_path / MD5SUMS_FILE).exists()
+    assert torch.equal(load_mnist(tmp_path).test_labels, load_mnist().test_labels)
+    write_idx_dataset(tmp_path / "fake", np.random.default_rng(3))  # valid IDX files, not MNIST's
+    with pytest.raises(ValueError, match=r"MD5 mismatch.*train-images-idx3-ubyte\.gz"):
+        load_mnist(tmp_path / "fake")
+
+
 def test_mnist_truncated_gzip_is_reported(tmp_path):
     write_fake_mnist_root(tmp_path, np.random.default_rng(1))
     broken = tmp_path / "t10k-images-idx3-ubyte.gz"

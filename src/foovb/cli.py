@@ -1,26 +1,59 @@
-"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]`, `foovb compare RUN_DIR...`
-and `foovb plot MATRIX_CSV...`."""
+"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]`, `foovb configs`,
+`foovb compare RUN_DIR...` and `foovb plot MATRIX_CSV...`."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import sys
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import __version__
 from .config import ConfigError, config_from_dict, load_config
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 
 __all__ = ["build_parser", "main"]
 
 
+def bundled_configs() -> dict[str, Path]:
+    """The experiment configs shipped in the package (``foovb/configs/*.yaml``), by name without ``.yaml``."""
+    folder = Path(str(resources.files("foovb") / "configs"))
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+
+
+def config_path(config: str) -> Path:
+    """``config`` as given when it is a file path (it has a directory part or a ``.yaml``/``.yml`` suffix),
+    else the bundled config of that name: ``foovb run demo`` works from any directory after ``pip install``."""
+    path = Path(config)
+    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path
+    bundled = bundled_configs()
+    if config not in bundled:
+        raise ConfigError(f"{config!r} is neither a YAML file (*.yaml) nor a bundled config; the bundled ones "
+                          f"(foovb configs): {', '.join(bundled)}")
+    return bundled[config]
+
+
+def _configs(args: argparse.Namespace) -> int:
+    """List the bundled configs, each with the first line of its header comment, and their folder."""
+    paths = bundled_configs()
+    width = max(map(len, paths))
+    for name, path in paths.items():
+        first_line = next(iter(path.read_text().splitlines()), "")
+        print(f"{name:<{width}}  {first_line.removeprefix('#').strip() if first_line.startswith('#') else ''}")
+    folder = next(iter(paths.values())).parent
+    print(f"\nfolder: {folder} (run one by name, e.g. `foovb run demo`, or copy it and edit the copy)")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from .runner import run
 
-    config = load_config(args.config, args.set)
+    config = load_config(config_path(args.config), args.set)
     run_dir = Path(args.out) if args.out else Path("runs") / config.name
     summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
@@ -169,15 +202,18 @@ def _plot(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `foovb` argument parser (its subcommands carry their function in `func`)."""
     parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"foovb {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="train and evaluate one experiment config")
-    p_run.add_argument("config", help="YAML config (see configs/)")
+    p_run.add_argument("config", help="a YAML config file, or the name of a bundled one (foovb configs)")
     p_run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set learner.params.mc_samples=2")
     p_run.add_argument("--out", help="run directory (default runs/<name>)")
     p_run.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
     p_run.set_defaults(func=_run)
+    p_cfg = sub.add_parser("configs", help="list the bundled experiment configs (one per paper experiment)")
+    p_cfg.set_defaults(func=_configs)
     p_cmp = sub.add_parser("compare", help="side-by-side table and overlaid plots of finished runs")
     p_cmp.add_argument("run_dirs", nargs="+")
     p_cmp.add_argument("--out", default="compare", help="where to write compare.csv and plots")

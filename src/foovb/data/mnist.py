@@ -145,7 +145,8 @@ def _default_root() -> Traversable:
 @functools.lru_cache(maxsize=4)
 def _load_mnist_cached(root_key: str | None) -> MNIST:
     root = _default_root() if root_key is None else Path(root_key)
-    md5sums = _read_md5sums(root)
+    # A folder of the four original files needs no checksum file of its own: the embedded one holds their sums.
+    md5sums = _read_md5sums(root if (root / MD5SUMS_FILE).is_file() else _default_root())
     arrays = {
         field: _read_verified_idx(
             root,
@@ -170,7 +171,9 @@ def _load_mnist_cached(root_key: str | None) -> MNIST:
 def load_mnist(root: str | Path | None = None) -> MNIST:
     """Load MNIST from ``root`` (default: the files embedded in the package), verifying every file's MD5.
 
-    ``root`` must hold the four ``*-ubyte.gz`` files and ``MD5SUMS.uncompressed``. The result is cached per
+    ``root`` must hold the four ``*-ubyte.gz`` files; they are checked against its ``MD5SUMS.uncompressed``
+    when it has one (``md5sum`` format, sums after gunzip), else against the original files' sums shipped with
+    the package. The result is cached per
     root (loading takes about a second). Raises ``FileNotFoundError`` for a missing file and ``ValueError``
     for a corrupt one (bad gzip stream, MD5 mismatch, bad IDX header), naming the file.
     """

@@ -1,0 +1,7 @@
+"""`python -m foovb ...` is the `foovb` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""What a user gets from `pip install foovb`: the bundled configs, `foovb configs`, `--version`, `python -m foovb`,
+and the package data the wheel must carry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+import foovb
+from foovb.cli import bundled_configs, config_path, main
+from foovb.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bundled_configs_are_the_repository_configs():
+    bundled = bundled_configs()
+    assert sorted(bundled) == sorted(path.stem for path in (ROOT / "configs").glob("*.yaml"))
+    assert {"demo", "discrete_pmnist_foovb_diagonal", "continuous_pmnist_foovb_kronecker"} <= set(bundled)
+    for name, path in bundled.items():
+        assert path.read_text() == (ROOT / "configs" / f"{name}.yaml").read_text()
+
+
+def test_a_config_is_a_file_path_or_a_bundled_name(tmp_path):
+    assert config_path("demo") == bundled_configs()["demo"]
+    assert load_config(config_path("demo")).name == "demo_foovb"
+    assert config_path("my.yaml") == Path("my.yaml")  # a path, even one that does not exist (load_config says so)
+    assert config_path("runs/demo") == Path("runs/demo")
+    with pytest.raises(ConfigError, match=r"'dem' is neither a YAML file .* demo"):
+        config_path("dem")
+    assert main(["run", "dem", "--out", str(tmp_path / "run")]) == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_foovb_configs_lists_every_bundled_config_with_its_description(capsys):
+    assert main(["configs"]) == 0
+    out = capsys.readouterr().out
+    for name in bundled_configs():
+        assert f"\n{name} " in f"\n{out}"
+    assert "Quick demo: discrete task-agnostic permuted MNIST" in out
+    assert str(bundled_configs()["demo"].parent) in out
+
+
+def test_version_and_python_dash_m():
+    result = subprocess.run([sys.executable, "-m", "foovb", "--version"], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == f"foovb {foovb.__version__}"
+
+
+def test_the_wheel_declares_the_package_data_it_needs():
+    """setuptools ships only what `package-data` names: the configs and the MNIST files must be among it, and
+    the license file must exist (the wheel's metadata names it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_data = project["tool"]["setuptools"]["package-data"]
+    src = ROOT / "src" / "foovb"
+    for package, folder in (("foovb", src / "configs"), ("foovb.data", src / "data" / "files")):
+        package_dir = src.joinpath(*package.split(".")[1:])
+        files = [path.relative_to(package_dir).as_posix() for path in folder.iterdir()]
+        assert files and all(any(fnmatch(f, pattern) for pattern in package_data[package]) for f in files), package
+    assert (ROOT / project["project"]["license-files"][0]).is_file()
