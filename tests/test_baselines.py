@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -126,6 +127,37 @@ def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty_in_the_opti
                for name, (d, s) in metric.items())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_mas_step_is_the_closed_form_proximal_step_of_its_penalty(optimizer):
+    """MAS penalises reg * sum Omega (theta - theta_t)^2 (curvature 2 reg, no 1/2): its step is
+    theta_t - s * direction / (1 + s * 2 * reg * Omega), the minimiser of the linearised loss plus the penalty in the
+    optimiser's metric, checked in closed form and through the stationarity condition with autograd."""
+    lr, reg = 0.05, 5.0
+    learner = MASLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer)
+    hand_written = {name: HandWrittenOptimizer(optimizer, lr) for name in learner.trainable_parameters}
+    for x, y in make_batches(6):
+        omega = {name: value.clone() for name, value in learner.importance.items()}
+        before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+        data_gradients = torch.autograd.grad(
+            nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
+        )
+        metric = {name: hand_written[name].update(g) for name, g in zip(before, data_gradients, strict=True)}
+        learner.observe(x, y)
+    assert all(value.sum() > 0 for value in omega.values())
+    after = {name: p.detach().clone().requires_grad_() for name, p in learner.model.named_parameters()}
+    for name, (direction, step_size) in metric.items():
+        expected = before[name] - step_size * direction / (1 + step_size * 2 * reg * omega[name])
+        torch.testing.assert_close(after[name].detach(), expected, atol=1e-6, rtol=1e-4)
+    penalty = sum(reg * (omega[name] * (after[name] - before[name]).square()).sum() for name in after)
+    penalty_gradients = dict(zip(after, torch.autograd.grad(penalty, list(after.values())), strict=True))
+    for name, (direction, step_size) in metric.items():
+        displacement = after[name].detach() - before[name]
+        torch.testing.assert_close(direction + penalty_gradients[name], -displacement / step_size,
+                                   atol=1e-5, rtol=1e-4)  # float32 / s
+    assert any(not torch.allclose(after[name].detach() - before[name], -s * d, atol=1e-7, rtol=1e-3)
+               for name, (d, s) in metric.items())
+
+
 def test_ewc_fisher_is_the_decayed_sum_of_per_sample_fishers_of_model_sampled_labels():
     gamma, batch_size = 0.5, 16
     learner = OnlineEWCLearner(make_model(), lr=0.1, reg=1.0, gamma=gamma, seed=3)
@@ -245,6 +277,49 @@ def test_si_importance_equals_hand_computed_path_integral():
     assert learner.importance["weight"].sum() > 0
     torch.testing.assert_close(learner.importance["weight"], expected_importance)
     torch.testing.assert_close(learner.anchor["weight"], weight)
+
+
+def test_si_consolidation_resets_the_path_integral():
+    learner = SILearner(make_model(), lr=0.1)
+    batches = make_batches(4)
+    train(learner, batches[:3], task=0)
+    assert all(value.abs().sum() > 0 for value in learner.path_integral.values())
+    learner._consolidate()
+    assert all(torch.all(value == 0) for value in learner.path_integral.values())
+
+
+def test_si_importance_increment_at_each_switch_uses_only_the_finished_tasks_path_integral():
+    """Three tasks: the importance added at the second switch is max(0, omega_1 / (Delta_1^2 + xi)) with omega_1 the
+    path integral of the second task alone (its steps' -g * delta_theta, g the unregularised gradient)."""
+    lr, c, xi = 0.2, 1.0, 0.1
+    learner = SILearner(make_model(), lr=lr, c=c, xi=xi)
+    batches = make_batches(9)
+    importances, path_integrals = [], []
+    for task in range(3):
+        start = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+        path_integral = {name: torch.zeros_like(p) for name, p in learner.model.named_parameters()}
+        for x, y in batches[3 * task : 3 * task + 3]:
+            before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+            gradients = torch.autograd.grad(
+                nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
+            )
+            learner.observe(x, y, task=task)  # at a task's first step: consolidation of the previous task first
+            importances.append({name: value.clone() for name, value in learner.importance.items()})
+            for (name, parameter), gradient in zip(learner.model.named_parameters(), gradients, strict=True):
+                path_integral[name] -= gradient * (parameter.detach() - before[name])
+        end = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+        path_integrals.append((path_integral, {name: end[name] - start[name] for name in end}))
+    # importance after the first step of task 2 (consolidation of task 1) minus that during task 1
+    increment = {name: importances[6][name] - importances[5][name] for name in importances[6]}
+    omega_1, change_1 = path_integrals[1]
+    for name, value in increment.items():
+        expected = (omega_1[name] / (change_1[name].square() + xi)).clamp_min(0)
+        torch.testing.assert_close(value, expected)
+    assert any(value.sum() > 0 for value in increment.values())
+    # the first switch likewise uses task 0's path integral
+    omega_0, change_0 = path_integrals[0]
+    for name, value in importances[3].items():
+        torch.testing.assert_close(value, (omega_0[name] / (change_0[name].square() + xi)).clamp_min(0))
 
 
 def test_si_clips_negative_path_integrals_to_zero_importance():
@@ -399,3 +474,17 @@ def test_online_ewc_refuses_a_gpu_generator_state_before_changing_anything() -> 
         learner.load_state_dict(state)
     assert all(torch.equal(before[name], value) for name, value in learner.model.state_dict().items())
 
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_foovb_learner_observe_returns_the_mean_per_example_cross_entropy(batched) -> None:
+    """FOO-VB optimises the summed cross-entropy, but observe() reports the per-example mean (as the baselines do):
+    about ln 10 for 10 classes at initialisation, whatever the batch size."""
+    generator = torch.Generator().manual_seed(0)
+    for batch_size in (8, 64):
+        torch.manual_seed(0)
+        learner = make_learner("foovb", nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 10)),
+                               mc_samples=2, eval_samples=0, batched=batched)
+        x, y = 0.1 * torch.randn(batch_size, 4, generator=generator), torch.randint(0, 10, (batch_size,))
+        loss = learner.observe(x, y)
+        assert float(loss) == pytest.approx(math.log(10), abs=0.3)

@@ -83,6 +83,16 @@ def test_ece_hand_computed_example():
         ece(probs, labels, n_bins=0)
 
 
+def test_ece_bins_are_closed_on_the_right():
+    """Bin b holds the confidences in (b/n_bins, (b+1)/n_bins]: with 5 bins, 0.6 falls in (0.4, 0.6], not with
+    0.7 in (0.6, 0.8]."""
+    probs = torch.tensor([[0.6, 0.4], [0.7, 0.3]], dtype=torch.float64)
+    labels = torch.tensor([0, 1])  # the first correct, the second wrong
+    # separate bins: (|1 - 0.6| + |0 - 0.7|) / 2; one shared bin would give |1 - 1.3| / 2 = 0.15
+    assert ece(probs, labels, n_bins=5) == pytest.approx(0.55)
+    assert ece(probs[:1], labels[:1], n_bins=5) == pytest.approx(0.4)
+
+
 def test_ece_is_small_when_calibrated_and_large_when_overconfident():
     generator = torch.Generator().manual_seed(0)
     num_inputs = 20_000
@@ -133,6 +143,14 @@ def test_fully_filled_matrix_counts_only_stages_after_each_task_was_learned():
     assert forgetting(full) == pytest.approx((0.05 + 0.10) / 2)
     assert forgetting(np.where(np.tril(np.ones((3, 3), bool)), full, np.nan)) == forgetting(full)  # as the runner
     assert backward_transfer(full) == pytest.approx((0.05 - 0.10) / 2)
+
+
+def test_forgetting_excludes_the_final_stage_from_the_maximum_and_can_be_negative():
+    """f_j = max_{j <= l < T-1} R[l, j] - R[T-1, j]: a task that improved after it was learned has negative
+    forgetting (not clipped to 0, as a maximum including the final stage would give)."""
+    assert forgetting(np.array([[0.5, NAN], [0.9, 0.8]])) == pytest.approx(0.5 - 0.9)
+    improved_then_forgot = np.array([[0.5, NAN, NAN], [0.9, 0.8, NAN], [0.95, 0.7, 0.6]])
+    assert forgetting(improved_then_forgot) == pytest.approx(((0.9 - 0.95) + (0.8 - 0.7)) / 2)
 
 
 @pytest.mark.parametrize(

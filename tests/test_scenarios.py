@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from foovb.data import ImageDataset, load_mnist
+from foovb.learners import make_learner, make_model
 from foovb.scenarios import (
     Batch,
     ContinuousPermutedMNIST,
@@ -141,6 +142,19 @@ def test_discrete_stream_epochs_and_hidden_boundaries(permuted_mnist, monkeypatc
         assert (calls[epoch * 8][0] == epoch // 2).all()  # tasks in sequence, 2 epochs each
     assert not torch.equal(epochs[0], epochs[1])  # reshuffled every epoch
     assert not torch.equal(epochs[1], epochs[2])
+
+
+def test_discrete_stream_shuffles_each_task_differently(permuted_mnist, monkeypatch):
+    """The epoch shuffle is seeded by (seed, task, epoch): epoch 0 of task 1 does not repeat task 0's order."""
+    stream = DiscretePermutedMNIST(permuted_mnist, epochs_per_task=1, batch_size=50, seed=0, train_subset=200)
+    calls = record_indices(monkeypatch, stream)
+    list(stream.batches())
+    orders = [torch.cat([indices for _, indices in calls[start : start + 4]]) for start in (0, 4, 8)]
+    assert [calls[start][0][0].item() for start in (0, 4, 8)] == [0, 1, 2]
+    for order in orders:
+        assert torch.equal(order.sort().values, torch.arange(200))
+    assert not torch.equal(orders[0], orders[1])
+    assert not torch.equal(orders[1], orders[2])
 
 
 def test_full_discrete_defaults_match_the_paper(permuted_mnist):
@@ -295,6 +309,25 @@ def test_vision_mix_tasks_are_dataset_indices():
     mix = VisionMix(small_vision_datasets(), epochs_per_task=1, batch_size=16)
     tasks = [batch.task.unique().tolist() for _, batch in mix.batches()]
     assert tasks == [[0]] * 4 + [[1]] * 2
+
+
+@pytest.mark.parametrize("kind", ["foovb", "sgd"])
+def test_vision_mix_trains_a_multi_head_mlp(kind):
+    """The vision mix is task-aware with one 10-way head per task: an MLP gets num_classes * num_heads outputs and
+    each task trains and predicts through its own head."""
+    mix = VisionMix(small_vision_datasets(), epochs_per_task=1, batch_size=16)
+    model = make_model("mlp", mix.input_shape, mix.num_classes, num_heads=mix.num_tasks, hidden=(8,))
+    assert model(torch.zeros(1, *mix.input_shape)).shape == (1, mix.num_classes * mix.num_tasks)
+    extra = {"mc_samples": 2, "eval_samples": 2} if kind == "foovb" else {}
+    learner = make_learner(kind, model, num_heads=mix.num_tasks, classes_per_head=mix.num_classes, **extra)
+    for _, batch in mix.batches():
+        task = int(batch.task[0])
+        assert math.isfinite(learner.observe(batch.x, batch.y, task))
+    for task in range(mix.num_tasks):
+        x, _ = mix.test_set(task)
+        probabilities = learner.predict(x, task).mean
+        assert probabilities.shape == (len(x), mix.num_classes)
+        torch.testing.assert_close(probabilities.sum(dim=1), torch.ones(len(x)))
 
 
 def test_vision_mix_by_name_reports_missing_files(tmp_path):
