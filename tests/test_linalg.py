@@ -220,6 +220,22 @@ def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision()
     assert (got.double() - expected).abs().max() <= 1e-5 * scale
 
 
+def test_float64_update_by_svd_route_matches_lemma2_on_a_wide_spectrum():
+    """A float64 factor takes the SVD route: with N = A^T T's singular values from 1e2 down to 1e-10 the new
+    covariance is Lemma 2's solution X X^T (solve_fixed_point) to 1e-12 relative. The Gram route, accurate to
+    ~sqrt(eps) s_max only (`left_singular_pairs`), is ~1e-7 off here."""
+    g = make_generator(4)
+    n = 12
+    a = random_sqrt(n, g)
+    n_mat = _matrix_with_singular_values((n, n), torch.logspace(2, -10, n, dtype=F64), g)
+    t = torch.linalg.solve(a.T, n_mat)  # A^T T = N
+    x = solve_fixed_point(a @ a.T, t)
+    expected = x @ x.T
+    new = sqrt_covariance_update(a, LowRank(dense=t))
+    assert new.dtype == F64
+    assert torch.linalg.norm(new @ new.T - expected) < 1e-12 * torch.linalg.norm(expected)
+
+
 @pytest.mark.parametrize("rank", [1, 3, 5])
 def test_sqrt_update_dense_and_low_rank_give_lemma2_covariance(rank):
     g = make_generator(rank)

@@ -26,6 +26,7 @@ from torch import nn
 
 from foovb import FOOVB, solve_fixed_point
 from foovb.linalg import LowRank, root_scale, sqrt_covariance_update
+from foovb.optimizer import _mix
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -214,6 +215,21 @@ def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
         assert torch.equal(eps[1::2], -eps[0::2])
         assert torch.equal(eps[0::2], plain[block][0:3])  # pair j is seeded like sample j
         assert not torch.equal(eps[0], eps[2])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float64_model_draws_float64_noise_from_the_documented_streams(family):
+    """eps of sample k of block b (FOOVB.draw_noise) is torch.randn(noise_shape) in the posterior's dtype from a
+    generator seeded with _mix(seed, b, k): a float64 model gets float64 draws, not float32 ones widened."""
+    opt = FOOVB(mlp(dtype=F64), family, 2, seed=0)
+    noise = opt.draw_noise(7, range(2))
+    for index, block in enumerate(opt.blocks):
+        eps = noise[block]
+        assert eps.dtype == F64
+        for k in range(2):
+            expected = torch.randn(block.noise_shape, generator=make_generator(_mix(7, index, k)), dtype=F64)
+            assert torch.equal(eps[k], expected)
+        assert not torch.equal(eps, eps.float().double())
 
 
 @pytest.mark.parametrize("k_samples", [2, 6])
@@ -572,6 +588,85 @@ def test_mean_reduction_equals_sum_reduction(family, mode):
     _, opt = _train("mlp", family, mode, reduction="mean", chunk=2)
     for got, want in zip(posterior_snapshot(opt), posterior_snapshot(ref), strict=True):
         torch.testing.assert_close(got, want, **TOLERANCE[F64])
+
+
+def test_step_and_step_batched_return_the_mean_loss_over_the_samples():
+    """Both paths return (1/K) sum_k L(theta_k), the loss the closure returns averaged over the K samples: under
+    "mean" not rescaled by the batch size (the gradients are), under "sum" not summed over a chunk's samples. The
+    same seed draws the same samples: the paths agree, and the "sum" value is r times the "mean" one."""
+    x, y = mlp_batch()
+    x = x.double()
+    returned = {}
+    for reduction in ("sum", "mean"):
+        model = mlp(dtype=F64)
+        opt = FOOVB(model, "diagonal", 4, loss_reduction=reduction, seed=5)
+        closure, losses = ce_closure(model, x, y, reduction), []
+
+        def recording_closure(closure=closure, losses=losses):
+            loss = closure()
+            losses.append(loss.item())
+            return loss
+
+        returned[reduction] = opt.step(recording_closure, batch_size=len(y) if reduction == "mean" else None)
+        assert len(losses) == 4 and returned[reduction] == pytest.approx(sum(losses) / 4, rel=1e-12)
+        for chunk in (None, 3):
+            batched = FOOVB(mlp(dtype=F64), "diagonal", 4, loss_reduction=reduction, seed=5)
+            assert batched.step_batched(x, y, chunk_size=chunk) == pytest.approx(returned[reduction], rel=1e-9)
+    assert returned["sum"] == pytest.approx(len(y) * returned["mean"], rel=1e-9)
+
+
+class _TwoLayersOnOneInput(nn.Module):
+    """Two matrix-variate Linear layers reading the batch x: "same-input" x itself (one layer with a bias, one
+    without); "views" two views of x at one address with one shape, x[:, :2] and x[:, ::2]; "branches" relu(x)
+    and tanh(x), recomputed by every chunk's forward."""
+
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mode = mode
+        n_in = 2 if mode == "views" else 4
+        self.a, self.b = nn.Linear(n_in, 3), nn.Linear(n_in, 3, bias=mode != "same-input")
+
+    def forward(self, x):
+        if self.mode == "views":
+            return self.a(x[:, :2]) + self.b(x[:, ::2])
+        if self.mode == "branches":
+            return self.a(torch.relu(x)) + self.b(torch.tanh(x))
+        return self.a(x) + self.b(x)
+
+
+def _kronecker_on_one_input(mode, k_samples, chunk=None):
+    """The posterior after one step (`step` for chunk=0, else `step_batched`) from randomized factors."""
+    x, y = mlp_batch()
+    x = x.double()
+    model = _TwoLayersOnOneInput(mode).double()
+    opt = FOOVB(model, "kronecker", k_samples, seed=3)
+    randomize_factors(opt, make_generator(5))
+    if chunk == 0:
+        opt.step(ce_closure(model, x, y))
+    else:
+        opt.step_batched(x, y, chunk_size=chunk)
+    return posterior_snapshot(opt)
+
+
+@pytest.mark.parametrize("mode", ["same-input", "views"])
+def test_batched_kronecker_layers_reading_one_input_match_sequential(mode):
+    """The batched path caches each shared input with its bias column, X_aug = [X, 1] (sampled.py), so that the
+    chunks' statistics sum_k Psi_k^T B Phi_k share one left factor: each layer must still get its own X_aug."""
+    expected = _kronecker_on_one_input(mode, 4, chunk=0)
+    for chunk in (None, 2):
+        for got, want in zip(_kronecker_on_one_input(mode, 4, chunk), expected, strict=True):
+            torch.testing.assert_close(got, want, **TOLERANCE[F64])
+
+
+def test_batched_kronecker_input_cache_survives_address_reuse_across_chunks():
+    """Each chunk recomputes relu(x) and tanh(x); once freed, a later chunk's tensor may take the address of an
+    earlier chunk's other input, and a cache keyed by address then hands a layer the other layer's X_aug. The cache
+    keeps its inputs alive. The reuse depends on the allocator: on CPU about 2 in 5 of these steps hit it."""
+    expected = _kronecker_on_one_input("branches", 10, chunk=0)
+    for _ in range(20):
+        for got, want in zip(_kronecker_on_one_input("branches", 10, chunk=3), expected, strict=True):
+            torch.testing.assert_close(got, want, **TOLERANCE[F64])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1315,6 +1410,21 @@ def _check_normal_sample(values, std):
     assert abs(values.std().item() / std - 1) < 6 / math.sqrt(2 * n)
 
 
+def test_defaults_are_the_papers_settings():
+    """K = 10 Monte Carlo samples (paper, "Algorithms": "The $K=10$ MC samples", foo-vb.tex l. 376; appendix
+    l. 861), sigma_init = 0.047 and alpha = 0.5 (appendix "Discrete permuted MNIST", l. 867-868)."""
+    model = mlp()
+    opt = FOOVB(model, seed=0)
+    assert opt.posterior_family == "diagonal" and opt.mc_samples == 10
+    group = opt.param_groups[0]
+    assert (group["mc_samples"], group["std_init"], group["alpha"]) == (10, 0.047, 0.5)
+    for p in model.parameters():
+        assert torch.equal(opt.posterior(p).std, torch.full_like(p, 0.047))
+    layer = nn.Linear(4, 3)
+    std = FOOVB(layer, "kronecker", seed=0).posterior(layer.weight).std  # sqrt(2 (1 - alpha) / (n_in + 2))
+    torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 * (1 - 0.5) / (4 + 2))))
+
+
 @pytest.mark.parametrize("family", ["diagonal", "full"])
 def test_paper_init_diagonal_and_full(family):
     torch.manual_seed(0)
@@ -1332,8 +1442,9 @@ def test_paper_init_diagonal_and_full(family):
 
 
 def test_bgd_init_draws_biases_with_fan_out_variance():
-    """init="bgd": the paper's weights and the BGD code's biases N(0, 2 / (1 + fan_out))."""
-    model = nn.Sequential(nn.Linear(30, 4000), nn.Conv2d(3, 500, 3))
+    """init="bgd": the paper's weights and the BGD code's biases N(0, 2 / (1 + fan_out)). The last layer has
+    fan_in >> fan_out, where 2 / (1 + fan_out) is 5x 2 / (fan_in + fan_out)."""
+    model = nn.Sequential(nn.Linear(30, 4000), nn.Conv2d(3, 500, 3), nn.Linear(2000, 500))
     FOOVB(model, "diagonal", init="bgd", seed=0)
     for module in model:
         fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
@@ -1366,7 +1477,9 @@ def test_alpha_init_matches_the_matrix_variate_family(family):
         torch.testing.assert_close(opt.posterior(p).std, torch.full_like(p, 0.03), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("module", [nn.Linear(400, 500), nn.Conv2d(32, 64, 3)], ids=["linear", "conv"])
+# n_in = 2: the mean's variance 2 alpha / (n_in + 2) is 3/4 of 2 alpha / (n_in + 1), visible in 6000 draws
+@pytest.mark.parametrize("module", [nn.Linear(400, 500), nn.Conv2d(32, 64, 3), nn.Linear(2, 2000)],
+                         ids=["linear", "conv", "linear-2-inputs"])
 def test_paper_init_kronecker(module):
     alpha = 0.3
     opt = FOOVB(module, "kronecker", alpha=alpha, seed=0)

@@ -77,6 +77,17 @@ def test_sample_probabilities_seeding_and_spread(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_sample_probabilities_default_seed_draws_the_networks_of_predict(family):
+    """Without a seed, sample_probabilities draws the networks whose probabilities predict(..., num_samples)
+    reports: both default to seed 0."""
+    _, opt = trained(family)
+    x, _ = mlp_batch(seed=5)
+    default = sample_probabilities(opt, x, K)
+    assert torch.equal(default, predict(opt, x, K).samples)
+    assert torch.equal(default, sample_probabilities(opt, x, K, seed=0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_negligible_std_samples_equal_mean(family):
     model, opt = trained(family, std_init=1e-8)
     if family == "kronecker":  # its initial factors come from alpha: shrink them directly
