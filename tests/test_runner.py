@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from foovb import plots
+from foovb import metrics, plots, runner
 from foovb.cli import main
 from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
-from foovb.runner import experiment_key, resolve_device, run, tasks_seen
+from foovb.runner import experiment_key, load_run, resolve_device, run, tasks_seen
 
 QUICK = {
     "name": "quick",
@@ -31,6 +31,55 @@ QUICK = {
 def quick(**changes) -> dict:
     data = json.loads(json.dumps(QUICK))
     return apply_overrides(data, [f"{k}={v}" for k, v in changes.items()])
+
+
+# QUICK turned into the continuous scenario, evaluated every `scenario.eval_every` iterations
+CONTINUOUS = {"scenario.kind": "continuous_permuted_mnist", "scenario.train_subset": "null",
+              "scenario.epochs_per_task": 20, "scenario.iterations_per_task": 10}
+
+
+def _spy_on_observe(monkeypatch) -> list:
+    """The `task` argument of every `observe` call of the learners that `run` builds from now on."""
+    tasks = []
+    build = runner.build_learner
+
+    def build_and_spy(config, scenario, device):
+        learner = build(config, scenario, device)
+        observe = learner.observe
+
+        def spy(x, y, task=None):
+            tasks.append(task)
+            return observe(x, y, task)
+
+        learner.observe = spy
+        return learner
+
+    monkeypatch.setattr(runner, "build_learner", build_and_spy)
+    return tasks
+
+
+class _Crash(Exception):
+    """A simulated crash in the middle of a run (unlike `stop_after`, nothing is saved on the way out)."""
+
+
+def _crash_at(monkeypatch, iteration: int) -> None:
+    """The runs that follow crash when their stream reaches `iteration` (0-based): `iteration` iterations done."""
+    build = runner.build_scenario
+
+    def build_and_break(config):
+        scenario = build(config)
+        batches = scenario.batches
+
+        def crashing(start: int = 0):
+            for i, batch in batches(start):
+                if i == iteration:
+                    raise _Crash(iteration)
+                yield i, batch
+
+        scenario.batches = crashing
+        return scenario
+
+    monkeypatch.setattr(runner, "build_scenario", build_and_break)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +105,12 @@ def quick(**changes) -> dict:
           "scenario.num_tasks": 3, "scenario.datasets": "[mnist, fashion_mnist]"}, "scenario.num_tasks"),
         ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.train_subset": "null",
           "scenario.datasets": "[mnist, fashoin_mnist]"}, "scenario.datasets: unknown dataset 'fashoin_mnist'"),
+        ({**CONTINUOUS, "scenario.eval_every": 0}, "scenario.eval_every: must be a positive integer"),
+        ({**CONTINUOUS, "scenario.eval_every": -5}, "scenario.eval_every: must be a positive integer"),
+        ({"scenario.seed": -1}, "scenario.seed: must be non-negative"),
+        ({"threads": 0}, "threads: must be a positive integer"),
+        ({"threads": -2}, "threads: must be a positive integer"),
+        ({"scenario.kind": "vision_mix", "scenario.train_subset": "null"}, "scenario.data_dir: the vision mix needs"),
     ],
 )
 def test_bad_config_names_the_key(change: dict, key: str) -> None:
@@ -71,6 +126,31 @@ def test_overrides_and_yaml_file(tmp_path) -> None:
     assert config.learner.params == {"mc_samples": 2}
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_set_value_keeps_its_equals_signs(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\n")
+    assert load_config(path, ["name=a=b"]).name == "a=b"
+    assert apply_overrides({}, ["learner.params.tag=k=v=w"]) == {"learner": {"params": {"tag": "k=v=w"}}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ([*(f"{k}={v}" for k, v in CONTINUOUS.items()), "scenario.eval_every=0"], "scenario.eval_every"),
+        (["scenario.seed=-1"], "scenario.seed"),
+        (["threads=0"], "threads"),
+        (["scenario.kind=vision_mix", "scenario.train_subset=null"], "scenario.data_dir"),
+    ],
+)
+def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, key) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(quick()))
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    assert main(["run", str(config), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert f"foovb: error: {key}: " in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize(
@@ -118,6 +198,22 @@ def finished_run(tmp_path_factory):
     return run_dir, summary
 
 
+def test_a_bad_learner_key_is_reported_before_the_run_directory_is_looked_at(finished_run, tmp_path,
+                                                                             capsys) -> None:
+    """A bad learner parameter names the key, not "already holds a finished run" (or another directory error)."""
+    run_dir, _ = finished_run
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(quick()))
+    for out, extra in ((run_dir, []), (run_dir, ["--resume"]), (tmp_path / "new", ["--resume"])):
+        assert main(["run", str(config), "--set", "learner.params.bogus=1", "--out", str(out), "--no-progress",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "foovb: error: learner.params: " in err and "'bogus'" in err, err
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before
+    assert not (tmp_path / "new").exists()
+
+
 def test_end_to_end_learns_and_writes_every_output(finished_run) -> None:
     run_dir, summary = finished_run
     modes = summary["modes"]
@@ -158,6 +254,68 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     torch.set_num_threads(threads)
     assert resumed["modes"] == uninterrupted["modes"]
     assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["threads"] == 1
+
+
+def test_a_crashed_run_resumes_from_its_latest_checkpoint(finished_run, tmp_path, monkeypatch) -> None:
+    """Crashes (nothing saved on the way out, unlike stop_after) right after an evaluation and after a periodic
+    checkpoint: each checkpoint holds its iteration, the records and STDs so far, and the resumed run ends as the
+    uninterrupted one (the same summary, records and stds.npz). QUICK: evaluations at 16 and 32, checkpoint_every
+    7; the learner is task-agnostic: observe() never gets a task id."""
+    full_dir, uninterrupted = finished_run
+    config, run_dir = config_from_dict(quick()), tmp_path / "r"
+    tasks = _spy_on_observe(monkeypatch)
+    for crash, resume, saved_at in ((18, False, 16), (23, True, 21)):  # 16: the evaluation; 21: 3 * 7
+        with monkeypatch.context() as patch:
+            _crash_at(patch, crash)
+            with pytest.raises(_Crash):
+                run(config, run_dir, resume=resume, progress=False)
+        state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        assert state["iteration"] == saved_at
+        assert [r["iteration"] for r in state["records"]] == [16]
+        assert list(state["stds"]) == ["iteration_16"]
+    resumed = run(config, run_dir, resume=True, progress=False)
+    assert resumed["modes"] == uninterrupted["modes"]
+
+    def records(directory):
+        return [{k: v for k, v in r.items() if k != "train_seconds"} for r in load_run(directory)["records"]]
+
+    assert records(run_dir) == records(full_dir)
+    stds, expected = np.load(run_dir / "stds.npz"), np.load(full_dir / "stds.npz")
+    assert stds.files == expected.files == ["iteration_16", "iteration_32"]
+    for key in expected.files:
+        np.testing.assert_array_equal(stds[key], expected[key])
+    assert tasks == [None] * (18 + 7 + 11)  # iterations 0-17, 16-22 and 21-31
+
+
+def test_evaluations_at_task_ends_count_the_tasks_seen(finished_run) -> None:
+    """The evaluation at the end of task t has stage t (tasks 0..t seen): the average accuracy after the first task
+    is the first task's accuracy."""
+    run_dir, summary = finished_run
+    records = load_run(run_dir)["records"]
+    assert [r["stage"] for r in records] == [0, 1]
+    assert tasks_seen(records, load_config(run_dir / "config.yaml")) == [1, 2]
+    for mode, entry in summary["modes"].items():
+        matrix = np.loadtxt(run_dir / f"accuracy_matrix_{mode}.csv", delimiter=",")
+        assert entry["average_accuracy_curve"][0] == records[0]["accuracy"][mode][0]
+        assert entry["average_accuracy_curve"][0] == pytest.approx(matrix[0, 0], abs=1e-6)
+        assert entry["average_accuracy_curve"][1] == pytest.approx(matrix[1].mean(), abs=1e-6)
+
+
+def test_evaluation_is_on_the_test_sets(finished_run) -> None:
+    """The final record's numbers, recomputed from the saved learner on each task's test set (first test_subset)."""
+    run_dir, _ = finished_run
+    config = load_config(run_dir / "config.yaml")
+    scenario = runner.build_scenario(config)
+    learner = runner.build_learner(config, scenario, torch.device("cpu"))
+    learner.load_state_dict(torch.load(run_dir / "checkpoint.pt", weights_only=False)["learner"])
+    last, subset = load_run(run_dir)["records"][-1], config.evaluation.test_subset
+    assert last["iteration"] == scenario.num_iterations
+    for task in range(scenario.num_tasks):
+        x, y = scenario.test_set(task)
+        pred = learner.predict(x[:subset], None)
+        for mode, values in last["accuracy"].items():
+            assert metrics.accuracy(pred, y[:subset], mode) == values[task], (task, mode)
+        assert metrics.nll(metrics.mode_probabilities(pred, "mean"), y[:subset]) == last["nll"]["mean"][task]
 
 
 def test_consolidation_baseline_with_adam_resumes_exactly(tmp_path) -> None:
@@ -286,12 +444,17 @@ def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
     assert [(r["experiment"], r["mode"]) for r in rows] == [(n, m) for n in (run_dir.name, "k2") for m in modes]
     for row in rows[:3]:
         values = [s["modes"][row["mode"]]["average_accuracy"] for s in (summary, other_summary)]
+        forgetting = [s["modes"][row["mode"]]["forgetting"] for s in (summary, other_summary)]
+        first = [s["modes"][row["mode"]]["first_task_accuracy"] for s in (summary, other_summary)]
+        assert float(row["forgetting_mean"]) == pytest.approx(np.mean(forgetting), abs=1e-4)
+        assert float(row["first_task_accuracy_mean"]) == pytest.approx(np.mean(first), abs=1e-4)
         assert (row["runs"], row["seeds"], row["num_runs"]) == (f"{run_dir.name} seed1", "0 1", "2")
         assert float(row["average_accuracy_mean"]) == pytest.approx(np.mean(values), abs=1e-4)
         assert float(row["average_accuracy_std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-4)
         assert (float(row["average_accuracy_min"]), float(row["average_accuracy_max"])) == pytest.approx(
             (min(values), max(values)), abs=1e-4)
     assert rows[3]["average_accuracy_std"] == ""  # one run: no spread
+    assert float(rows[3]["forgetting_mean"]) == pytest.approx(summary["modes"]["mean"]["forgetting"], abs=1e-4)
     assert "repeat a seed" not in capsys.readouterr().err
     assert main(["compare", str(run_dir), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp2")]) == 0
     assert "repeat a seed" in capsys.readouterr().err
@@ -356,8 +519,10 @@ def _write_learnable_idx_dataset(directory, seed: int, train: int = 96, test: in
         _write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
 
 
-def test_vision_mix_task_aware_lenet_end_to_end(tmp_path) -> None:
-    """Multi-head LeNet on two (synthetic stand-in) datasets through FOO-VB's batched Conv2d path."""
+def test_vision_mix_task_aware_lenet_end_to_end(tmp_path, monkeypatch) -> None:
+    """Multi-head LeNet on two (synthetic stand-in) datasets through FOO-VB's batched Conv2d path; the learner
+    gets each batch's task id."""
+    tasks = _spy_on_observe(monkeypatch)
     for name, seed in (("fashion_mnist", 1), ("notmnist", 2)):
         _write_learnable_idx_dataset(tmp_path / "data" / name, seed)
     config = config_from_dict({
@@ -368,6 +533,7 @@ def test_vision_mix_task_aware_lenet_end_to_end(tmp_path) -> None:
         "learner": {"kind": "foovb", "params": {"std_init": 0.02, "mc_samples": 3, "eval_samples": 2}},
     })
     summary = run(config, tmp_path / "run", progress=False)
+    assert tasks == [0] * 24 + [1] * 24
     # 24 steps per task on 96 images: the class squares are easy, chance is 10%.
     assert summary["modes"]["mean"]["average_accuracy"] > 0.3
     assert summary["modes"]["mean"]["first_task_accuracy"] > 0.3

@@ -147,8 +147,10 @@ def validate(config: Config) -> Config:
     for key in ("num_tasks", "epochs_per_task", "iterations_per_task", "batch_size", "train_subset",
                 "eval_every"):
         _positive(f"scenario.{key}", getattr(s, key))
-    if s.seed < 0 or config.seed < 0:
-        raise ConfigError("seed: must be non-negative")
+    if s.seed < 0:
+        raise ConfigError(f"scenario.seed: must be non-negative, got {s.seed}")
+    if config.seed < 0:
+        raise ConfigError(f"seed: must be non-negative, got {config.seed}")
     if s.normalization not in ("standard", "none"):
         raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
     defaults = ScenarioConfig()

@@ -201,6 +201,12 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     if distributed_run and device.type == "cuda":  # NCCL: every process on its own GPU (LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
     main_process = not distributed_run or torch.distributed.get_rank() == 0
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    scenario = build_scenario(config)
+    # a bad learner config fails before anything is written, and before the run directory is looked at (its
+    # error names the key, not "already holds a finished run")
+    learner = build_learner(config, scenario, device)
     checkpoint_path = run_dir / "checkpoint.pt"
     if resume and not checkpoint_path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
@@ -216,10 +222,6 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         if set(changed) - set(EXECUTION_KEYS):
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
                               f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    scenario = build_scenario(config)
-    learner = build_learner(config, scenario, device)  # a bad learner config fails before anything is written
     records: list[dict] = []
     stds: dict[str, np.ndarray] = {}
     start, train_seconds = 0, 0.0
