@@ -30,8 +30,14 @@ def test_a_config_is_a_file_path_or_a_bundled_name(tmp_path):
     assert load_config(config_path("demo")).name == "demo_foovb"
     assert config_path("my.yaml") == Path("my.yaml")  # a path, even one that does not exist (load_config says so)
     assert config_path("runs/demo") == Path("runs/demo")
-    with pytest.raises(ConfigError, match=r"'dem' is neither a YAML file .* demo"):
+    with pytest.raises(ConfigError, match=r"'dem' is neither a file nor a bundled config.* demo"):
         config_path("dem")
+    own = tmp_path / "myconf"  # an existing file is a file, whatever its name
+    own.write_text(bundled_configs()["demo"].read_text())
+    assert config_path(str(own)) == own
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        assert config_path("myconf") == Path("myconf") and config_path("./myconf") == Path("myconf")
     assert main(["run", "dem", "--out", str(tmp_path / "run")]) == 2
     assert not (tmp_path / "run").exists()
 
@@ -63,3 +69,8 @@ def test_the_wheel_declares_the_package_data_it_needs():
         files = [path.relative_to(package_dir).as_posix() for path in folder.iterdir()]
         assert files and all(any(fnmatch(f, pattern) for pattern in package_data[package]) for f in files), package
     assert (ROOT / project["project"]["license-files"][0]).is_file()
+
+
+def test_the_package_version_is_the_projects():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"] == foovb.__version__

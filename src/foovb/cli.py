@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -26,25 +27,30 @@ def bundled_configs() -> dict[str, Path]:
 
 
 def config_path(config: str) -> Path:
-    """``config`` as given when it is a file path (it has a directory part or a ``.yaml``/``.yml`` suffix),
+    """``config`` as given when it is an existing file or looks like a path (a directory part or a suffix),
     else the bundled config of that name: ``foovb run demo`` works from any directory after ``pip install``."""
     path = Path(config)
-    if path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+    if path.is_file() or path.suffix or len(path.parts) > 1 or config.startswith("."):
         return path
     bundled = bundled_configs()
     if config not in bundled:
-        raise ConfigError(f"{config!r} is neither a YAML file (*.yaml) nor a bundled config; the bundled ones "
+        raise ConfigError(f"{config!r} is neither a file nor a bundled config; the bundled ones "
                           f"(foovb configs): {', '.join(bundled)}")
     return bundled[config]
 
 
 def _configs(args: argparse.Namespace) -> int:
-    """List the bundled configs, each with the first line of its header comment, and their folder."""
+    """List the bundled configs, each with the first sentence of its header comment, and their folder."""
     paths = bundled_configs()
     width = max(map(len, paths))
     for name, path in paths.items():
-        first_line = next(iter(path.read_text().splitlines()), "")
-        print(f"{name:<{width}}  {first_line.removeprefix('#').strip() if first_line.startswith('#') else ''}")
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line.removeprefix("#").strip())
+        first_sentence = re.split(r"\.\s+(?=[A-Z])", " ".join(header))[0].removesuffix(".")
+        print(f"{name:<{width}}  {first_sentence}")
     folder = next(iter(paths.values())).parent
     print(f"\nfolder: {folder} (run one by name, e.g. `foovb run demo`, or copy it and edit the copy)")
     return 0

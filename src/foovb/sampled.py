@@ -188,14 +188,15 @@ class _Layer:
         delta, x, noise_pre = self.saved["delta"] * grad_scale, self.saved["x"], self.saved["noise_pre"]
         s, b = stats[block], block.state["output_sqrt_cov"]
         shared = x.ndim == 2
-        # The same tensor (address, shape and strides: x[:, :n] and x[:, ::2] share the first two) in every chunk:
-        # LowRank sums the right factors. x stays cached with x_aug, so no other input reuses its address.
+        # The same input in every chunk gets the same x_aug, so LowRank sums its right factors. The key has the
+        # strides (x[:, :n] and x[:, ::2] share address and shape), and a hit is checked by value: an input
+        # recomputed in a later chunk may reuse a freed address (the cache does not keep inputs alive).
         key = (x.data_ptr(), tuple(x.shape), x.stride(), block.has_bias)
-        x_aug = shared_inputs[key][1] if shared and key in shared_inputs else None
-        if x_aug is None:
+        x_aug = shared_inputs.get(key) if shared else None
+        if x_aug is None or not torch.equal(x_aug[..., : x.shape[-1]], x):
             x_aug = torch.cat([x, torch.ones_like(x[..., :1])], -1) if block.has_bias else x
             if shared:
-                shared_inputs[key] = (x, x_aug)
+                shared_inputs[key] = x_aug
         delta_b_phi = (delta @ b) @ phi  # (c, r, n)
         if shared:
             delta_sum = delta.sum(0)
