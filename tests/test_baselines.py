@@ -97,25 +97,31 @@ class HandWrittenOptimizer:
         return corrected_first, self.lr / (corrected_second.sqrt() + 1e-8)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
-def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty_in_the_optimisers_metric(optimizer):
-    """theta_{t+1} = argmin direction.(theta - theta_t) + sum (theta - theta_t)^2 / (2 s) + penalty(theta), with
-    penalty = reg/2 sum F (theta - theta_t)^2 and (direction, s) of the optimiser (for SGD the gradient and lr),
-    checked through its stationarity condition with the penalty gradient from autograd."""
-    lr, reg = 0.05, 5.0
-    learner = OnlineEWCLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer)
+def last_regularised_step(learner, optimizer: str, lr: float):
+    """Train `learner` on six batches beside a hand-written copy of its inner optimiser; return, for the last step,
+    the importance it used, the parameters before and after it, and the optimiser's (direction, step size)."""
     hand_written = {name: HandWrittenOptimizer(optimizer, lr) for name in learner.trainable_parameters}
-    batches = make_batches(6)
-    for x, y in batches:
-        fisher = {name: value.clone() for name, value in learner.importance.items()}
+    for x, y in make_batches(6):
+        importance = {name: value.clone() for name, value in learner.importance.items()}
         before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
         data_gradients = torch.autograd.grad(
             nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
         )
         metric = {name: hand_written[name].update(g) for name, g in zip(before, data_gradients, strict=True)}
         learner.observe(x, y)
-    assert all(value.sum() > 0 for value in fisher.values())
+    assert all(value.sum() > 0 for value in importance.values())
     after = {name: p.detach().clone().requires_grad_() for name, p in learner.model.named_parameters()}
+    return importance, before, metric, after
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_ewc_step_minimises_linearised_loss_plus_closed_form_penalty_in_the_optimisers_metric(optimizer):
+    """theta_{t+1} = argmin direction.(theta - theta_t) + sum (theta - theta_t)^2 / (2 s) + penalty(theta), with
+    penalty = reg/2 sum F (theta - theta_t)^2 and (direction, s) of the optimiser (for SGD the gradient and lr),
+    checked through its stationarity condition with the penalty gradient from autograd."""
+    lr, reg = 0.05, 5.0
+    fisher, before, metric, after = last_regularised_step(
+        OnlineEWCLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer), optimizer, lr)
     penalty = sum(reg / 2 * (fisher[name] * (after[name] - before[name]).square()).sum() for name in after)
     penalty_gradients = dict(zip(after, torch.autograd.grad(penalty, list(after.values())), strict=True))
     for name, (direction, step_size) in metric.items():
@@ -133,18 +139,8 @@ def test_mas_step_is_the_closed_form_proximal_step_of_its_penalty(optimizer):
     theta_t - s * direction / (1 + s * 2 * reg * Omega), the minimiser of the linearised loss plus the penalty in the
     optimiser's metric, checked in closed form and through the stationarity condition with autograd."""
     lr, reg = 0.05, 5.0
-    learner = MASLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer)
-    hand_written = {name: HandWrittenOptimizer(optimizer, lr) for name in learner.trainable_parameters}
-    for x, y in make_batches(6):
-        omega = {name: value.clone() for name, value in learner.importance.items()}
-        before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
-        data_gradients = torch.autograd.grad(
-            nn.functional.cross_entropy(learner.model(x), y), list(learner.model.parameters())
-        )
-        metric = {name: hand_written[name].update(g) for name, g in zip(before, data_gradients, strict=True)}
-        learner.observe(x, y)
-    assert all(value.sum() > 0 for value in omega.values())
-    after = {name: p.detach().clone().requires_grad_() for name, p in learner.model.named_parameters()}
+    omega, before, metric, after = last_regularised_step(
+        MASLearner(make_model(), lr=lr, reg=reg, optimizer=optimizer), optimizer, lr)
     for name, (direction, step_size) in metric.items():
         expected = before[name] - step_size * direction / (1 + step_size * 2 * reg * omega[name])
         torch.testing.assert_close(after[name].detach(), expected, atol=1e-6, rtol=1e-4)
