@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from conftest import make_generator, posterior_snapshot
 from torch import nn
 
+import foovb.distributed as fd
 from foovb import FOOVB
 from foovb.config import config_from_dict
 from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
@@ -126,7 +127,97 @@ def job_failure(rank: int, failure: str) -> None:
         optimizer.step(closure)
 
 
+# -- distribute(): every process starts from the first one's state ------------------------------------------
+STATE_K = 3
+
+
+def state_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def state_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100)
+    return torch.randn(8, 4, generator=g), torch.randint(3, (8,), generator=g)
+
+
+def state_closure(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+def state_snapshot(optimizer: FOOVB, model: nn.Module) -> dict:
+    return {"generator": optimizer.generator.get_state().clone(), "steps": optimizer.steps_taken,
+            "state": [v.detach().clone() for b in optimizer.blocks for k, v in sorted(b.state.items())],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def job_distribute_state(rank: int) -> dict:
+    out: dict = {}
+    # 1. every process built its own model (init seed), noise seed and step count
+    model = state_mlp(seed=rank)
+    optimizer = FOOVB(model, "diagonal", STATE_K, seed=7 + 10 * rank)
+    optimizer.steps_taken = 4 * rank
+    if rank == 0:  # one step by itself first: non-trivial stds
+        x, y = state_batch()
+        optimizer.step(state_closure(model, x, y))
+        optimizer.steps_taken = 0
+    out["before"] = state_snapshot(optimizer, model)
+    distribute(optimizer, "mc")
+    out["after"] = state_snapshot(optimizer, model)
+    # 2. a hyperparameter differing between the processes, one at a time
+    out["differing"] = {}
+    for name, value in (("cov_step", 1.0 + 0.5 * rank), ("alpha", 0.5 - 0.25 * rank),
+                        ("std_growth", ("paper", "none")[rank]), ("cov_momentum", 0.1 * rank)):
+        try:
+            distribute(FOOVB(state_mlp(0), "diagonal", 4, seed=7, **{name: value}), "mc")
+            out["differing"][name] = None
+        except ValueError as error:
+            out["differing"][name] = str(error)
+    # 3. the per-sample losses all_reduce_statistics returns (MC mode: sample k's loss at index k)
+    reduced = []
+    original = fd.all_reduce_statistics
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        reduced.append(list(result[2]))
+        return result
+
+    fd.all_reduce_statistics = recording
+    try:
+        model = state_mlp(0)
+        optimizer = FOOVB(model, "diagonal", STATE_K, seed=7)
+        distribute(optimizer, "mc")
+        x, y = state_batch()
+        optimizer.step(state_closure(model, x, y))
+    finally:
+        fd.all_reduce_statistics = original
+    out["reduced_losses"] = reduced
+    return out
+
+
+def single_process_losses() -> list[float]:
+    """The per-sample losses one process hands to the update (the same seed, model and batch)."""
+    model = state_mlp(0)
+    optimizer = FOOVB(model, "diagonal", STATE_K, seed=7)
+    seen = []
+    apply = optimizer._apply_update
+
+    def recording(stats, losses, num_samples):
+        seen.append(list(losses))
+        return apply(stats, losses, num_samples)
+
+    optimizer._apply_update = recording
+    x, y = state_batch()
+    optimizer.step(state_closure(model, x, y))
+    return seen[0]
+
+
 JOBS = {"equivalence": job_equivalence,
+        "distribute_state": job_distribute_state,
         "raises": lambda rank: job_failure(rank, "raises"),
         "hangs": lambda rank: job_failure(rank, "hangs")}
 
@@ -173,14 +264,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch(out: Path, job: str) -> list[dict]:
+    """Run `job` on WORLD spawned gloo processes; return each rank's result. A process that saved its result and
+    then died in gloo's teardown ("terminate called without an active exception", SIGABRT, seen about once in ten
+    launches here) finished its job: only a missing result is a failure."""
+    try:
+        mp.start_processes(worker, args=(WORLD, free_port(), job, str(out), 30.0), nprocs=WORLD,
+                           start_method="spawn")
+    except mp.ProcessExitedException:
+        if not all((out / f"rank{r}.pt").is_file() for r in range(WORLD)):
+            raise
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 # -- tests --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both ranks' results of `job_equivalence` (one 2-process launch shared by the equivalence tests)."""
-    out = tmp_path_factory.mktemp("distributed")
-    mp.start_processes(worker, args=(WORLD, free_port(), "equivalence", str(out), 30.0), nprocs=WORLD,
-                       start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return launch(tmp_path_factory.mktemp("distributed"), "equivalence")
 
 
 def assert_close_posteriors(got: dict, want: dict) -> None:
@@ -334,3 +435,39 @@ def test_runner_setup(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="single-process only"):
         setup_run("sgd")
     assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def state_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Both ranks' results of `job_distribute_state`: processes built differently on purpose."""
+    return launch(tmp_path_factory.mktemp("distribute_state"), "distribute_state")
+
+
+def test_distribute_gives_every_process_the_first_process_state(state_results):
+    first = state_results[0]["before"]
+    assert first["steps"] == 0 and state_results[1]["before"]["steps"] == 4  # they did differ
+    assert not torch.equal(first["generator"], state_results[1]["before"]["generator"])
+    assert not all(torch.equal(a, b) for a, b in zip(first["state"], state_results[1]["before"]["state"], strict=True))
+    for rank in range(WORLD):
+        after = state_results[rank]["after"]
+        assert torch.equal(after["generator"], first["generator"]), f"rank {rank}: noise generator"
+        assert after["steps"] == first["steps"], f"rank {rank}: step counter"
+        assert all(torch.equal(a, b) for a, b in zip(after["state"], first["state"], strict=True)), \
+            f"rank {rank}: posterior"
+        # the model holds the posterior mean (rank 0's)
+        assert all(torch.equal(a, b) for a, b in zip(after["params"], first["params"], strict=True)), \
+            f"rank {rank}: model parameters"
+
+
+@pytest.mark.parametrize("name", ["cov_step", "alpha", "std_growth", "cov_momentum"])
+def test_any_differing_hyperparameter_raises_on_every_rank(state_results, name):
+    for rank in range(WORLD):
+        message = state_results[rank]["differing"][name]
+        assert message is not None and f"disagree on {name}" in message, (rank, message)
+
+
+def test_all_reduced_losses_are_each_samples_loss_at_its_index(state_results):
+    want = single_process_losses()
+    for rank in range(WORLD):
+        (got,) = state_results[rank]["reduced_losses"]
+        assert got == pytest.approx(want, rel=1e-5), rank
