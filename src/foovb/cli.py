@@ -17,7 +17,7 @@ from . import __version__
 from .config import ConfigError, config_from_dict, load_config
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
 
 def bundled_configs() -> dict[str, Path]:
