@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import make_generator, posterior_snapshot
+from conftest import make_generator, params_snapshot, posterior_snapshot
 from torch import nn
 
 import foovb.distributed as fd
@@ -41,8 +41,8 @@ DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path
     ("kronecker", path, 20) for path in PATHS]
 
 
-def mlp(inputs: int = 4) -> nn.Module:
-    torch.manual_seed(0)
+def mlp(inputs: int = 4, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(inputs, 6), nn.ReLU(), nn.Linear(6, 3))
 
 
@@ -128,20 +128,7 @@ def job_failure(rank: int, failure: str) -> None:
 
 
 # -- distribute(): every process starts from the first one's state ------------------------------------------
-STATE_K = 3
-
-
-def state_mlp(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-
-
-def state_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100)
-    return torch.randn(8, 4, generator=g), torch.randint(3, (8,), generator=g)
-
-
-def state_closure(model, x, y):
+def summed_loss_closure(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     def closure():
         loss = F.cross_entropy(model(x), y, reduction="sum")
         loss.backward()
@@ -151,19 +138,18 @@ def state_closure(model, x, y):
 
 def state_snapshot(optimizer: FOOVB, model: nn.Module) -> dict:
     return {"generator": optimizer.generator.get_state().clone(), "steps": optimizer.steps_taken,
-            "state": [v.detach().clone() for b in optimizer.blocks for k, v in sorted(b.state.items())],
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "state": posterior_snapshot(optimizer), "params": params_snapshot(model)}
 
 
 def job_distribute_state(rank: int) -> dict:
     out: dict = {}
     # 1. every process built its own model (init seed), noise seed and step count
-    model = state_mlp(seed=rank)
-    optimizer = FOOVB(model, "diagonal", STATE_K, seed=7 + 10 * rank)
+    model = mlp(seed=rank)
+    optimizer = FOOVB(model, "diagonal", K, seed=7 + 10 * rank)
     optimizer.steps_taken = 4 * rank
     if rank == 0:  # one step by itself first: non-trivial stds
-        x, y = state_batch()
-        optimizer.step(state_closure(model, x, y))
+        x, y = batch(0, 4)
+        optimizer.step(summed_loss_closure(model, x, y))
         optimizer.steps_taken = 0
     out["before"] = state_snapshot(optimizer, model)
     distribute(optimizer, "mc")
@@ -173,7 +159,7 @@ def job_distribute_state(rank: int) -> dict:
     for name, value in (("cov_step", 1.0 + 0.5 * rank), ("alpha", 0.5 - 0.25 * rank),
                         ("std_growth", ("paper", "none")[rank]), ("cov_momentum", 0.1 * rank)):
         try:
-            distribute(FOOVB(state_mlp(0), "diagonal", 4, seed=7, **{name: value}), "mc")
+            distribute(FOOVB(mlp(), "diagonal", 4, seed=7, **{name: value}), "mc")
             out["differing"][name] = None
         except ValueError as error:
             out["differing"][name] = str(error)
@@ -188,11 +174,11 @@ def job_distribute_state(rank: int) -> dict:
 
     fd.all_reduce_statistics = recording
     try:
-        model = state_mlp(0)
-        optimizer = FOOVB(model, "diagonal", STATE_K, seed=7)
+        model = mlp()
+        optimizer = FOOVB(model, "diagonal", K, seed=7)
         distribute(optimizer, "mc")
-        x, y = state_batch()
-        optimizer.step(state_closure(model, x, y))
+        x, y = batch(0, 4)
+        optimizer.step(summed_loss_closure(model, x, y))
     finally:
         fd.all_reduce_statistics = original
     out["reduced_losses"] = reduced
@@ -201,8 +187,8 @@ def job_distribute_state(rank: int) -> dict:
 
 def single_process_losses() -> list[float]:
     """The per-sample losses one process hands to the update (the same seed, model and batch)."""
-    model = state_mlp(0)
-    optimizer = FOOVB(model, "diagonal", STATE_K, seed=7)
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7)
     seen = []
     apply = optimizer._apply_update
 
@@ -211,8 +197,8 @@ def single_process_losses() -> list[float]:
         return apply(stats, losses, num_samples)
 
     optimizer._apply_update = recording
-    x, y = state_batch()
-    optimizer.step(state_closure(model, x, y))
+    x, y = batch(0, 4)
+    optimizer.step(summed_loss_closure(model, x, y))
     return seen[0]
 
 

@@ -5,15 +5,11 @@ import math
 
 import numpy as np
 import pytest
-from torch import nn
+from conftest import mlp
 
 from foovb import FOOVB
 from foovb.baselines import make_baseline
 from foovb.validation import is_integer, is_real
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
 
 
 def test_is_real_and_is_integer_refuse_booleans_and_accept_numpy_scalars():
