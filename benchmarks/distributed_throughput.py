@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from foovb import FOOVB
-from foovb.data import MNIST_MEAN, MNIST_STD, load_mnist
 from foovb.distributed import distribute, shard_batch
-from foovb.learners import mlp
+from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
+from foovb_suite.learners import mlp
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:

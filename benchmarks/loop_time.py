@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from foovb.config import load_config
-from foovb.runner import build_learner, build_scenario, resolve_device
+from foovb_suite.config import load_config
+from foovb_suite.runner import build_learner, build_scenario, resolve_device
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foovb import FOOVB
-from foovb.data import MNIST_MEAN, MNIST_STD, load_mnist
+from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
 
 
 def mlp(sizes=(784, 100, 100, 10)) -> nn.Sequential:

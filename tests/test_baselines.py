@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from foovb.baselines import (
+from foovb_suite.baselines import (
     BASELINES,
     MASLearner,
     OnlineEWCLearner,
@@ -13,8 +13,8 @@ from foovb.baselines import (
     SILearner,
     make_baseline,
 )
-from foovb.learners import make_learner
-from foovb.metrics import accuracy
+from foovb_suite.learners import make_learner
+from foovb_suite.metrics import accuracy
 
 CENTERS = torch.tensor([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]])
 

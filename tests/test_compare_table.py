@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-import foovb.plots as plots
-from foovb.cli import main
+import foovb_suite.plots as plots
+from foovb_suite.cli import main
 
 
 def fake_run(path, learner, params, modes, first_task_per_stage, train_seconds=90.0, seconds_per_iteration=0.0125):

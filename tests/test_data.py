@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from foovb.data import MNIST_MEAN, MNIST_STD, ImageDataset, download_dataset, load_dataset, load_mnist
-from foovb.data.mnist import MD5SUMS_FILE, MNIST_FILES, parse_idx
+from foovb_suite.data import MNIST_MEAN, MNIST_STD, ImageDataset, download_dataset, load_dataset, load_mnist
+from foovb_suite.data.mnist import MD5SUMS_FILE, MNIST_FILES, parse_idx
 
-EMBEDDED_MNIST = Path(__file__).resolve().parents[1] / "src" / "foovb" / "data" / "files"
+EMBEDDED_MNIST = Path(__file__).resolve().parents[1] / "src" / "foovb_suite" / "data" / "files"
 IDX_NAMES = tuple(MNIST_FILES.values())  # train images, train labels, test images, test labels
 
 

@@ -23,9 +23,9 @@ from torch import nn
 
 import foovb.distributed as fd
 from foovb import FOOVB
-from foovb.config import config_from_dict
 from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
-from foovb.runner import load_run, run
+from foovb_suite.config import config_from_dict
+from foovb_suite.runner import load_run, run
 
 WORLD = 2
 STEPS = 3
@@ -235,7 +235,7 @@ RUNNER_CONFIG = {
 
 
 def runner_worker(rank: int, world: int, port: int, run_dir: str, stop_after: int) -> None:
-    """`foovb.runner.run` as torchrun would start it: the environment variables, nothing initialised."""
+    """`foovb_suite.runner.run` as torchrun would start it: the environment variables, nothing initialised."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:

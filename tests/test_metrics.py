@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from foovb.metrics import (
+from foovb_suite.metrics import (
     Predictions,
     accuracy,
     average_accuracy,

@@ -1,5 +1,5 @@
-"""What a user gets from `pip install foovb`: the bundled configs, `foovb configs`, `--version`, `python -m foovb`,
-and the package data the wheel must carry."""
+"""What a user gets from `pip install foovb[suite]`: the bundled configs, `foovb configs`, `--version`,
+`python -m foovb_suite` and the package data the wheel must carry."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import foovb
-from foovb.cli import bundled_configs, config_path, main
-from foovb.config import ConfigError, load_config
+from foovb_suite.cli import bundled_configs, config_path, main
+from foovb_suite.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_foovb_configs_lists_every_bundled_config_with_its_description(capsys):
 
 
 def test_version_and_python_dash_m():
-    result = subprocess.run([sys.executable, "-m", "foovb", "--version"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "foovb_suite", "--version"], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == f"foovb {foovb.__version__}"
 
@@ -63,8 +63,8 @@ def test_the_wheel_declares_the_package_data_it_needs():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     package_data = project["tool"]["setuptools"]["package-data"]
-    src = ROOT / "src" / "foovb"
-    for package, folder in (("foovb", src / "configs"), ("foovb.data", src / "data" / "files")):
+    src = ROOT / "src" / "foovb_suite"
+    for package, folder in (("foovb_suite", src / "configs"), ("foovb_suite.data", src / "data" / "files")):
         package_dir = src.joinpath(*package.split(".")[1:])
         files = [path.relative_to(package_dir).as_posix() for path in folder.iterdir()]
         assert files and all(any(fnmatch(f, pattern) for pattern in package_data[package]) for f in files), package

@@ -6,8 +6,8 @@ import pytest
 from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 
-import foovb.plots as plots_module
-from foovb.plots import (
+import foovb_suite.plots as plots_module
+from foovb_suite.plots import (
     plot_accuracy_matrix,
     plot_average_accuracy,
     plot_first_task_accuracy,

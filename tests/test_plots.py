@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-import foovb.plots as plots_module
-from foovb.plots import (
+import foovb_suite.plots as plots_module
+from foovb_suite.plots import (
     curve_styles,
     plot_accuracy_matrix,
     plot_average_accuracy,

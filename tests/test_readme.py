@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
-from foovb.cli import build_parser
-from foovb.config import load_config
-from foovb.runner import build_learner
-from foovb.scenarios import VisionMix
+from foovb_suite.cli import build_parser
+from foovb_suite.config import load_config
+from foovb_suite.runner import build_learner
+from foovb_suite.scenarios import VisionMix
 
 README = Path(__file__).parent.parent / "README.md"
 

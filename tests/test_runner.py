@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from foovb import metrics, plots, runner
-from foovb.cli import main
-from foovb.config import ConfigError, apply_overrides, config_from_dict, load_config
-from foovb.runner import experiment_key, load_run, resolve_device, run, tasks_seen
+from foovb_suite import metrics, plots, runner
+from foovb_suite.cli import main
+from foovb_suite.config import ConfigError, apply_overrides, config_from_dict, load_config
+from foovb_suite.runner import experiment_key, load_run, resolve_device, run, tasks_seen
 
 QUICK = {
     "name": "quick",

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from foovb.data import ImageDataset, load_mnist
-from foovb.learners import make_learner, make_model
-from foovb.scenarios import (
+from foovb_suite.data import ImageDataset, load_mnist
+from foovb_suite.learners import make_learner, make_model
+from foovb_suite.scenarios import (
     Batch,
     ContinuousPermutedMNIST,
     DiscretePermutedMNIST,

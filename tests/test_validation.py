@@ -8,8 +8,8 @@ import pytest
 from conftest import mlp
 
 from foovb import FOOVB
-from foovb.baselines import make_baseline
 from foovb.validation import is_integer, is_real
+from foovb_suite.baselines import make_baseline
 
 
 def test_is_real_and_is_integer_refuse_booleans_and_accept_numpy_scalars():

@@ -11,17 +11,41 @@ Three ways to predict, all reported by the evaluation (`metrics.accuracy` modes)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .metrics import Predictions
 from .optimizer import FOOVB
 from .sampled import SampledNetwork, check_batched_support
 
-__all__ = ["predict", "sample_probabilities"]
+__all__ = ["Predictions", "predict", "sample_probabilities"]
 
 OutputFn = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Class probabilities of a learner on ``r`` inputs.
+
+    Attributes:
+        mean: ``(r, C)`` probabilities of the point estimate (or posterior mean) network.
+        samples: ``(K, r, C)`` probabilities of K sampled networks (Bayesian learners), or ``None``.
+    """
+
+    mean: Tensor
+    samples: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mean.dim() != 2:
+            raise ValueError(f"Predictions.mean must have shape (r, C), got {tuple(self.mean.shape)}")
+        if self.samples is not None and (
+            self.samples.dim() != 3 or self.samples.shape[1:] != self.mean.shape
+        ):
+            raise ValueError(
+                f"Predictions.samples must have shape (K, {self.mean.shape[0]}, {self.mean.shape[1]}), "
+                f"got {tuple(self.samples.shape)}"
+            )
 
 
 def _softmax(logits: Tensor) -> Tensor:

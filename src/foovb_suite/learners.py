@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from foovb import FOOVB
+from foovb.predict import Predictions, predict
+from foovb.validation import is_integer
+
 from .baselines import BASELINES, head_logits, make_baseline
-from .metrics import Predictions
-from .optimizer import FOOVB
-from .predict import predict
-from .validation import is_integer
 
 __all__ = ["Learner", "FOOVBLearner", "learner_hyperparameters", "make_learner", "make_model", "LEARNERS", "MODELS"]
 
@@ -131,7 +131,7 @@ def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[
 
 def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_head: int = 10,
                  seed: int = 0, **hyperparameters: Any) -> Learner:
-    """Build a learner by name ("foovb" or a baseline of `foovb.baselines`); bad names/arguments -> ValueError."""
+    """Build a learner by name ("foovb" or a baseline of `foovb_suite.baselines`); bad names/arguments -> ValueError."""
     if kind == "foovb":
         try:
             return FOOVBLearner(model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed,

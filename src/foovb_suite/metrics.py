@@ -14,39 +14,15 @@ been seen yet; fully filled matrices are accepted too).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
 from torch import Tensor
 
+from foovb.predict import Predictions
+
 PROBABILITY_MODES = ("mean", "bma")
 ACCURACY_MODES = ("mean", "bma", "single")
-
-
-@dataclass(frozen=True)
-class Predictions:
-    """Class probabilities of a learner on ``r`` inputs.
-
-    Attributes:
-        mean: ``(r, C)`` probabilities of the point estimate (or posterior mean) network.
-        samples: ``(K, r, C)`` probabilities of K sampled networks (Bayesian learners), or ``None``.
-    """
-
-    mean: Tensor
-    samples: Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.mean.dim() != 2:
-            raise ValueError(f"Predictions.mean must have shape (r, C), got {tuple(self.mean.shape)}")
-        if self.samples is not None and (
-            self.samples.dim() != 3 or self.samples.shape[1:] != self.mean.shape
-        ):
-            raise ValueError(
-                f"Predictions.samples must have shape (K, {self.mean.shape[0]}, {self.mean.shape[1]}), "
-                f"got {tuple(self.samples.shape)}"
-            )
 
 
 def _require_samples(pred: Predictions, mode: str) -> Tensor:

@@ -5,7 +5,7 @@ Permuted MNIST") and the first task of the vision-datasets mix, so it is embedde
 (the four original ``*.gz`` files plus ``MD5SUMS.uncompressed``, the MD5 of each file after gunzip).
 
 The IDX reader here (:func:`parse_idx`, :func:`read_idx`) is shared with the other IDX-format datasets
-(Fashion-MNIST, notMNIST) in :mod:`foovb.data.datasets`.
+(Fashion-MNIST, notMNIST) in :mod:`foovb_suite.data.datasets`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _read_verified_idx(
 
 
 def _default_root() -> Traversable:
-    return resources.files("foovb.data") / "files"
+    return resources.files("foovb_suite.data") / "files"
 
 
 @functools.lru_cache(maxsize=4)

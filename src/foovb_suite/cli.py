@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import __version__
+from foovb import __version__
+
 from .config import ConfigError, config_from_dict, load_config
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 
@@ -22,7 +23,7 @@ __all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
 def bundled_configs() -> dict[str, Path]:
     """The experiment configs shipped in the package (``foovb/configs/*.yaml``), by name without ``.yaml``."""
-    folder = Path(str(resources.files("foovb") / "configs"))
+    folder = Path(str(resources.files("foovb_suite") / "configs"))
     return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
 
 

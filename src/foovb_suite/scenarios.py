@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from foovb.data import DATASET_NAMES, MNIST_MEAN, MNIST_STD, ImageDataset, load_dataset, load_mnist
+from foovb_suite.data import DATASET_NAMES, MNIST_MEAN, MNIST_STD, ImageDataset, load_dataset, load_mnist
 
 # Purposes in the seed derivation, so that streams drawn from the same seed are independent.
 _PERMUTATIONS, _EPOCH_SHUFFLE, _ITERATION_SAMPLE, _JOINT_SHUFFLE = range(4)
@@ -370,7 +370,7 @@ class VisionMix(_SequentialTaskStream):
     Every image becomes 3x32x32: grayscale is zero-padded 28 -> 32 (centred) and replicated to 3 channels.
     Each dataset is normalised to zero mean and unit variance per channel, with statistics of its own
     (converted) training set. ``Batch.task`` is the dataset index, which the runner gives to the task-aware
-    (multi-head) learners. ``datasets`` holds names for :func:`foovb.data.load_dataset` (read from
+    (multi-head) learners. ``datasets`` holds names for :func:`foovb_suite.data.load_dataset` (read from
     ``data_dir``) or already loaded :class:`ImageDataset` objects.
     """
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from foovb.metrics import Predictions
+from foovb.predict import Predictions
 from foovb.validation import is_integer, is_real
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {

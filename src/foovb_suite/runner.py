@@ -26,7 +26,9 @@ import numpy as np
 import torch
 import yaml
 
-from . import distributed, metrics, plots
+from foovb import distributed
+
+from . import metrics, plots
 from .baselines import BASELINES
 from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model

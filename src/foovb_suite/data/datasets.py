@@ -2,7 +2,7 @@
 datasets").
 
 MNIST, notMNIST, Fashion-MNIST, SVHN and CIFAR-10, as in Ritter et al. (2018). MNIST is embedded in the
-package (:mod:`foovb.data.mnist`); the others are read from a data directory with this layout::
+package (:mod:`foovb_suite.data.mnist`); the others are read from a data directory with this layout::
 
     DATA_DIR/fashion_mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz
     DATA_DIR/notmnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz    (notMNIST-to-MNIST files)
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from foovb.data.mnist import MNIST_FILES, load_mnist, read_idx
+from foovb_suite.data.mnist import MNIST_FILES, load_mnist, read_idx
 
 DATASET_NAMES = ("mnist", "notmnist", "fashion_mnist", "svhn", "cifar10")
 """Names accepted by :func:`load_dataset`, in the task order of the vision-datasets mix."""
@@ -309,7 +309,7 @@ def load_dataset(name: str, data_dir: str | Path) -> ImageDataset:
         raise FileNotFoundError(
             f"dataset {name!r} is incomplete; missing files:\n"
             + "\n".join(f"  {path}" for path in missing)
-            + f"\nRun foovb.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet "
+            + f"\nRun foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet "
             f"access, or by hand:\n{_fetch_instructions(source, directory)}"
         )
     train_images, train_labels, test_images, test_labels = source.read(directory)

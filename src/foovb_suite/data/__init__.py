@@ -1,0 +1,16 @@
+"""Datasets: the embedded MNIST (:mod:`foovb_suite.data.mnist`) and the other vision datasets read from a data
+directory (:mod:`foovb_suite.data.datasets`)."""
+
+from foovb_suite.data.datasets import DATASET_NAMES, ImageDataset, download_dataset, load_dataset
+from foovb_suite.data.mnist import MNIST, MNIST_MEAN, MNIST_STD, load_mnist
+
+__all__ = [
+    "DATASET_NAMES",
+    "MNIST",
+    "MNIST_MEAN",
+    "MNIST_STD",
+    "ImageDataset",
+    "download_dataset",
+    "load_dataset",
+    "load_mnist",
+]
