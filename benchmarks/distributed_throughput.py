@@ -41,7 +41,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
     results = []
     for family in args.families:
         for mode in args.modes if world > 1 else ["-"]:
-            optimizer = FOOVB(mlp(784, (100, 100), 10), family, args.mc_samples, seed=0)
+            optimizer = FOOVB(mlp(784, (100, 100), 10), family, args.mc_samples, seed=0, preset="paper")
             inputs, targets = x, y
             if world > 1:
                 distribute(optimizer, mode)

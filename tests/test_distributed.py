@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import make_generator, params_snapshot, posterior_snapshot
+from conftest import PAPER, make_generator, params_snapshot, posterior_snapshot
 from torch import nn
 
 import foovb.distributed as fd
@@ -56,7 +56,7 @@ def train(family: str, path: str, inputs: int, mode: str | None,
           record_noise: bool = False) -> dict[str, Any]:
     """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first."""
     model = mlp(inputs)
-    optimizer = FOOVB(model, family, K, seed=7)
+    optimizer = FOOVB(model, family, K, seed=7, **PAPER)
     if mode is not None:
         distribute(optimizer, mode)
     noises: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -98,11 +98,12 @@ def job_equivalence(rank: int) -> dict[str, Any]:
     for family, path, inputs in DATA_CASES:
         out[("data", family, path, inputs)] = train(family, path, inputs, "data")
     try:  # K = 1 < 2 processes: every process raises the same ValueError after a consistent check
-        distribute(FOOVB(mlp(), "diagonal", 1, seed=7), "mc")
+        distribute(FOOVB(mlp(), "diagonal", 1, seed=7, **PAPER), "mc")
     except ValueError as error:
         out["too_few_samples"] = str(error)
     try:  # the processes built different optimizers
-        distribute(FOOVB(mlp(), "diagonal", 4, seed=7, mean_step=1.0 + rank, antithetic=rank == 0), "mc")
+        distribute(FOOVB(mlp(), "diagonal", 4, seed=7, mean_step=1.0 + rank, antithetic=rank == 0, **PAPER),
+                   "mc")
     except ValueError as error:
         out["different_settings"] = str(error)
     return out
@@ -111,7 +112,7 @@ def job_equivalence(rank: int) -> dict[str, Any]:
 def job_failure(rank: int, failure: str) -> None:
     """At step 2 rank 1's closure raises or hangs, while rank 0 waits in the all-reduce."""
     model = mlp()
-    optimizer = FOOVB(model, "diagonal", K, seed=7)
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
     distribute(optimizer, "mc")
     x, y = batch(0, 4)
     for step in range(STEPS):
@@ -145,7 +146,7 @@ def job_distribute_state(rank: int) -> dict:
     out: dict = {}
     # 1. every process built its own model (init seed), noise seed and step count
     model = mlp(seed=rank)
-    optimizer = FOOVB(model, "diagonal", K, seed=7 + 10 * rank)
+    optimizer = FOOVB(model, "diagonal", K, seed=7 + 10 * rank, **PAPER)
     optimizer.steps_taken = 4 * rank
     if rank == 0:  # one step by itself first: non-trivial stds
         x, y = batch(0, 4)
@@ -159,7 +160,8 @@ def job_distribute_state(rank: int) -> dict:
     for name, value in (("cov_step", 1.0 + 0.5 * rank), ("alpha", 0.5 - 0.25 * rank),
                         ("std_growth", ("paper", "none")[rank]), ("cov_momentum", 0.1 * rank)):
         try:
-            distribute(FOOVB(mlp(), "diagonal", 4, seed=7, **{name: value}), "mc")
+            init = {"init": "alpha"} if name == "alpha" else {}  # alpha applies to the diagonal family through init
+            distribute(FOOVB(mlp(), "diagonal", 4, seed=7, **{name: value}, **init, **PAPER), "mc")
             out["differing"][name] = None
         except ValueError as error:
             out["differing"][name] = str(error)
@@ -175,7 +177,7 @@ def job_distribute_state(rank: int) -> dict:
     fd.all_reduce_statistics = recording
     try:
         model = mlp()
-        optimizer = FOOVB(model, "diagonal", K, seed=7)
+        optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
         distribute(optimizer, "mc")
         x, y = batch(0, 4)
         optimizer.step(summed_loss_closure(model, x, y))
@@ -188,7 +190,7 @@ def job_distribute_state(rank: int) -> dict:
 def single_process_losses() -> list[float]:
     """The per-sample losses one process hands to the update (the same seed, model and batch)."""
     model = mlp()
-    optimizer = FOOVB(model, "diagonal", K, seed=7)
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
     seen = []
     apply = optimizer._apply_update
 
@@ -226,7 +228,7 @@ RUNNER_CONFIG = {
     "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 256,
                  "batch_size": 64},
     "model": {"kind": "mlp", "hidden": [16]},
-    "learner": {"kind": "foovb", "params": {"posterior": "kronecker", "mc_samples": 3, "eval_samples": 2}},
+    "learner": {"kind": "foovb", "params": {"posterior": "kronecker", "mc_samples": 4, "eval_samples": 2}},
     "evaluation": {"test_subset": 200},
     "checkpoint_every": 3,
     "threads": 1,
@@ -340,7 +342,7 @@ def test_too_few_samples_for_mc_mode_raises_on_every_rank(results: list[dict]) -
 
 def test_different_optimizer_settings_raise_on_every_rank(results: list[dict]) -> None:
     for rank in range(WORLD):
-        assert "disagree on mean_step, antithetic" in results[rank]["different_settings"]
+        assert "disagree on lr, antithetic" in results[rank]["different_settings"]
 
 
 @pytest.mark.parametrize("failure", ["raises", "hangs"])
@@ -371,7 +373,7 @@ def test_failing_rank_stops_the_whole_job(tmp_path: Path, failure: str) -> None:
 
 
 def test_distribute_needs_an_initialised_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    optimizer = FOOVB(mlp(), "diagonal", K, seed=7)
+    optimizer = FOOVB(mlp(), "diagonal", K, seed=7, **PAPER)
     with pytest.raises(RuntimeError, match="process group"):
         distribute(optimizer)
     with pytest.raises(RuntimeError, match="process group"):
@@ -387,10 +389,10 @@ def test_invalid_modes_raise(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
                             timeout=timedelta(seconds=30))
     try:
-        with pytest.raises(ValueError, match="loss_reduction='sum'"):
-            distribute(FOOVB(mlp(), "diagonal", K, seed=7, loss_reduction="mean"), "data")
+        with pytest.raises(ValueError, match="loss_reduction 'auto' or 'sum'"):
+            distribute(FOOVB(mlp(), "diagonal", K, seed=7, loss_reduction="mean", preset="paper"), "data")
         with pytest.raises(ValueError, match="mode must be one of"):
-            distribute(FOOVB(mlp(), "diagonal", K, seed=7), "pipeline")
+            distribute(FOOVB(mlp(), "diagonal", K, seed=7, **PAPER), "pipeline")
         with pytest.raises(ValueError, match="different numbers of rows"):
             shard_batch(torch.zeros(4, 2), torch.zeros(3))
     finally:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     FAMILIES,
+    PAPER,
     all_equal,
     cnn,
     cnn_batch,
@@ -85,7 +86,7 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, c
     x, y = mlp_batch()
     x = x.double()
     k_samples = 3
-    opt = FOOVB(model, family, k_samples, mean_step=mean_step, cov_step=cov_step, seed=11)
+    opt = FOOVB(model, family, k_samples, mean_step=mean_step, cov_step=cov_step, seed=11, **PAPER)
     randomize_factors(opt, make_generator(5))
     before = {id(b): {k: v.clone() for k, v in b.state.items()} for b in opt.blocks}
     records = []
@@ -152,7 +153,7 @@ def _diag_quadratic(d, k_samples, seed, antithetic=False):
     lin = nn.Linear(d, 1, bias=False).double()
     with torch.no_grad():
         lin.weight.copy_(torch.randn(1, d, generator=g, dtype=F64))
-    opt = FOOVB(lin, "diagonal", k_samples, init="keep", std_init=0.5, antithetic=antithetic, seed=seed)
+    opt = FOOVB(lin, "diagonal", k_samples, init="keep", std_init=0.5, antithetic=antithetic, seed=seed, **PAPER)
     sigma = 0.2 + torch.rand(1, d, generator=g, dtype=F64)
     opt.blocks[0].state["std"].copy_(sigma)
     c = lin.weight.detach() + 0.5 * torch.randn(1, d, generator=g, dtype=F64)
@@ -205,7 +206,7 @@ def test_diagonal_update_is_exact_for_reconstructed_noise(k_samples):
 
 
 def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
-    opt = FOOVB(mlp(), "diagonal", 4, antithetic=True, seed=0)
+    opt = FOOVB(mlp(), "diagonal", 4, antithetic=True, seed=0, **PAPER)
     noise = opt.draw_noise(123, range(6), antithetic=True)
     plain = opt.draw_noise(123, range(6))
     chunk = opt.draw_noise(123, range(3, 6), antithetic=True)  # starts with the second half of a pair
@@ -221,7 +222,7 @@ def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
 def test_float64_model_draws_float64_noise_from_the_documented_streams(family):
     """eps of sample k of block b (FOOVB.draw_noise) is torch.randn(noise_shape) in the posterior's dtype from a
     generator seeded with _mix(seed, b, k): a float64 model gets float64 draws, not float32 ones widened."""
-    opt = FOOVB(mlp(dtype=F64), family, 2, seed=0)
+    opt = FOOVB(mlp(dtype=F64), family, 2, seed=0, **PAPER)
     noise = opt.draw_noise(7, range(2))
     for index, block in enumerate(opt.blocks):
         eps = noise[block]
@@ -255,7 +256,7 @@ def test_cov_momentum_averages_e_g_eps_over_steps():
     update uses m_t = rho m_{t-1} + (1 - rho) E_t[g eps] (m_1 = E_1[g eps]), the mean update the current E[g]."""
     rho, cov_step, k_samples = 0.6, 0.5, 3
     model = mlp(seed=3, dtype=F64)
-    opt = FOOVB(model, "diagonal", k_samples, cov_step=cov_step, cov_momentum=rho, seed=11)
+    opt = FOOVB(model, "diagonal", k_samples, cov_step=cov_step, cov_momentum=rho, seed=11, **PAPER)
     average = None
     for step in range(3):
         x, y = mlp_batch(seed=step)
@@ -298,7 +299,7 @@ def test_cov_momentum_removes_the_shrinkage_that_noise_alone_causes():
     for rho in (0.0, 0.5):
         lin = nn.Linear(d, 1, bias=False).double()
         opt = FOOVB(lin, "diagonal", 2, init="keep", std_init=0.3, antithetic=True, std_growth="none",
-                    cov_momentum=rho, seed=3)
+                    cov_momentum=rho, seed=3, **PAPER)
 
         def closure(lin=lin):
             offset = lin.weight[0] - centre
@@ -320,7 +321,7 @@ def _kron_layer(n_in, p, bias, seed, k_samples=3):
     g = make_generator(seed)
     torch.manual_seed(seed)
     lin = nn.Linear(n_in, p, bias=bias).double()
-    opt = FOOVB(lin, "kronecker", k_samples, init="keep", seed=seed)
+    opt = FOOVB(lin, "kronecker", k_samples, init="keep", seed=seed, **PAPER)
     block = opt.blocks[0]
     block.state["input_sqrt_cov"] = 0.7 * random_sqrt(n_in + int(bias), g)
     block.state["output_sqrt_cov"] = 0.7 * random_sqrt(p, g)
@@ -409,7 +410,7 @@ def _run_regression(x, y, batched, batches=BATCHES, k_samples=K_BAYES, antitheti
     with torch.no_grad():
         lin.weight.zero_()  # prior mean 0
     opt = FOOVB(lin, "full", k_samples, std_init=math.sqrt(V0), init="keep", seed=7, antithetic=antithetic,
-                cov_step=cov_step)
+                cov_step=cov_step, **PAPER)
 
     def nll(out, t):  # sum_i (y_i - x_i^T w)^2 / (2 s2), the batch's summed Gaussian NLL
         return ((t - out.squeeze(-1)) ** 2).sum() / (2 * S2)
@@ -534,7 +535,7 @@ def _train(arch, family, mode, steps=2, k_samples=5, chunk=None, reduction="sum"
            antithetic=False):
     make_model, make_batch = ARCHS[arch]
     model = make_model(seed=0, dtype=dtype)
-    opt = FOOVB(model, family, k_samples, loss_reduction=reduction, seed=seed, antithetic=antithetic)
+    opt = FOOVB(model, family, k_samples, loss_reduction=reduction, seed=seed, antithetic=antithetic, preset="paper")
     if dtype == F64:  # non-symmetric square roots: A and A^T must not be confused
         randomize_factors(opt, make_generator(5))
     for step in range(steps):
@@ -565,7 +566,7 @@ def test_sequential_equals_batched(arch, family, dtype):
                 torch.testing.assert_close(getattr(opt.posterior(p), name), getattr(ref.posterior(q), name),
                                            **TOLERANCE[dtype])
     # The run did move the posterior (otherwise equality would be vacuous).
-    fresh = FOOVB(ARCHS[arch][0](seed=0, dtype=dtype), family, 5, seed=13)
+    fresh = FOOVB(ARCHS[arch][0](seed=0, dtype=dtype), family, 5, seed=13, **PAPER)
     assert not all_equal(expected, posterior_snapshot(fresh))
 
 
@@ -599,7 +600,7 @@ def test_step_and_step_batched_return_the_mean_loss_over_the_samples():
     returned = {}
     for reduction in ("sum", "mean"):
         model = mlp(dtype=F64)
-        opt = FOOVB(model, "diagonal", 4, loss_reduction=reduction, seed=5)
+        opt = FOOVB(model, "diagonal", 4, loss_reduction=reduction, seed=5, preset="paper")
         closure, losses = ce_closure(model, x, y, reduction), []
 
         def recording_closure(closure=closure, losses=losses):
@@ -610,7 +611,7 @@ def test_step_and_step_batched_return_the_mean_loss_over_the_samples():
         returned[reduction] = opt.step(recording_closure, batch_size=len(y) if reduction == "mean" else None)
         assert len(losses) == 4 and returned[reduction] == pytest.approx(sum(losses) / 4, rel=1e-12)
         for chunk in (None, 3):
-            batched = FOOVB(mlp(dtype=F64), "diagonal", 4, loss_reduction=reduction, seed=5)
+            batched = FOOVB(mlp(dtype=F64), "diagonal", 4, loss_reduction=reduction, seed=5, preset="paper")
             assert batched.step_batched(x, y, chunk_size=chunk) == pytest.approx(returned[reduction], rel=1e-9)
     assert returned["sum"] == pytest.approx(len(y) * returned["mean"], rel=1e-9)
 
@@ -640,7 +641,7 @@ def _kronecker_on_one_input(mode, k_samples, chunk=None):
     x, y = mlp_batch()
     x = x.double()
     model = _TwoLayersOnOneInput(mode).double()
-    opt = FOOVB(model, "kronecker", k_samples, seed=3)
+    opt = FOOVB(model, "kronecker", k_samples, seed=3, **PAPER)
     randomize_factors(opt, make_generator(5))
     if chunk == 0:
         opt.step(ce_closure(model, x, y))
@@ -681,11 +682,11 @@ def _steps(model, opt, start, count):
 @pytest.mark.parametrize(("family", "options"), [(f, {}) for f in FAMILIES] + [("diagonal", {"cov_momentum": 0.9})])
 def test_state_dict_round_trip_resumes_exactly(family, options):
     model_a = mlp(seed=0)
-    opt_a = FOOVB(model_a, family, 3, seed=5, **options)
+    opt_a = FOOVB(model_a, family, 3, seed=5, **options, **PAPER)
     _steps(model_a, opt_a, 0, 6)
 
     model_b = mlp(seed=0)
-    opt_b = FOOVB(model_b, family, 3, seed=5, **options)
+    opt_b = FOOVB(model_b, family, 3, seed=5, **options, **PAPER)
     _steps(model_b, opt_b, 0, 3)
     buffer = io.BytesIO()
     torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buffer)
@@ -693,7 +694,7 @@ def test_state_dict_round_trip_resumes_exactly(family, options):
     saved = torch.load(buffer)
 
     model_c = mlp(seed=1)
-    opt_c = FOOVB(model_c, family, 3, seed=999, **options)
+    opt_c = FOOVB(model_c, family, 3, seed=999, **options, **PAPER)
     model_c.load_state_dict(saved["model"])
     opt_c.load_state_dict(saved["opt"])
     assert opt_c.steps_taken == 3
@@ -709,14 +710,14 @@ def test_state_dict_is_a_copy_in_both_directions(family):
     """A state dict kept in memory is not changed by later steps, and two optimizers loaded from one dict
     do not share their posteriors: resuming from it equals resuming from a file."""
     model_a = mlp(seed=0)
-    opt_a = FOOVB(model_a, family, 3, seed=5)
+    opt_a = FOOVB(model_a, family, 3, seed=5, **PAPER)
     _steps(model_a, opt_a, 0, 2)
     saved, before = opt_a.state_dict(), posterior_snapshot(opt_a)
     _steps(model_a, opt_a, 2, 2)
     resumed = []
     for _ in range(2):
         model = mlp(seed=0)
-        opt = FOOVB(model, family, 3, seed=1)
+        opt = FOOVB(model, family, 3, seed=1, **PAPER)
         opt.load_state_dict(saved)
         assert all_equal(posterior_snapshot(opt), before)
         resumed.append((model, opt))
@@ -737,7 +738,7 @@ def test_state_dict_is_a_copy_in_both_directions(family):
 def test_load_state_dict_refuses_other_settings_and_changes_nothing(saved_by, loaded_by, match):
     def build(family, k, options=None):
         model = mlp(seed=0)
-        return model, FOOVB(model, family, k, seed=0, **(options or {}))
+        return model, FOOVB(model, family, k, seed=0, **(options or {}), **PAPER)
 
     saved = build(*saved_by)[1].state_dict()
     model, opt = build(*loaded_by)
@@ -751,41 +752,9 @@ def test_load_state_dict_refuses_other_settings_and_changes_nothing(saved_by, lo
     opt.step(ce_closure(model, x, y))  # still usable
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_state_dict_of_an_older_version_loads_with_the_settings_it_had(family):
-    """Dicts saved before cov_step, antithetic, std_growth and cov_momentum existed resume with the behaviour of
-    that version (the paper's: 1, False, "paper", 0)."""
-    model_a = mlp(seed=0)
-    opt_a = FOOVB(model_a, family, 3, seed=5)
-    _steps(model_a, opt_a, 0, 2)
-    saved = opt_a.state_dict()
-    for key in ("cov_step", "antithetic", "std_growth", "cov_momentum"):
-        del saved["param_groups"][0][key]
-    model_b = mlp(seed=0)
-    opt_b = FOOVB(model_b, family, 3, seed=1)
-    opt_b.load_state_dict(saved)
-    _steps(model_a, opt_a, 2, 2)
-    _steps(model_b, opt_b, 2, 2)
-    assert all_equal(posterior_snapshot(opt_b), posterior_snapshot(opt_a))
-    with pytest.raises(ValueError, match="antithetic: saved False, here True"):
-        FOOVB(mlp(seed=0), family, 4, antithetic=True).load_state_dict(saved)
-
-
-@pytest.mark.parametrize(("shrink_only", "std_growth"), [(True, "none"), (False, "paper")])
-def test_state_dict_with_the_shrink_only_option_loads_as_its_std_growth(shrink_only, std_growth):
-    """One early version saved std_growth="none" as shrink_only=True (and "paper" as False)."""
-    saved = FOOVB(mlp(seed=0), "diagonal", 3, std_growth=std_growth, seed=5).state_dict()
-    del saved["param_groups"][0]["std_growth"]
-    saved["param_groups"][0]["shrink_only"] = shrink_only
-    FOOVB(mlp(seed=0), "diagonal", 3, std_growth=std_growth).load_state_dict(saved)
-    other = "paper" if std_growth == "none" else "none"
-    with pytest.raises(ValueError, match=f"std_growth: saved '{std_growth}', here '{other}'"):
-        FOOVB(mlp(seed=0), "diagonal", 3, std_growth=other).load_state_dict(saved)
-
-
 def test_hyperparameters_may_be_numpy_scalars():
     opt = FOOVB(mlp(), "diagonal", np.int64(3), std_init=np.float32(0.05), mean_step=np.float32(0.5),
-                seed=np.int64(2))
+                seed=np.int64(2), **PAPER)
     opt.param_groups[0]["cov_step"] = np.float32(0.5)  # as a schedule computed with numpy might write it
     x, y = mlp_batch()
     opt.step_batched(x, y)
@@ -798,16 +767,17 @@ def test_hyperparameters_may_be_numpy_scalars():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_state_dict_refuses_another_architecture(family):
-    saved = FOOVB(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)), family, 3, seed=0).state_dict()
+    small = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    saved = FOOVB(small, family, 3, seed=0, **PAPER).state_dict()
     with pytest.raises(ValueError, match="does not fit this model"):
-        FOOVB(mlp(), family, 3, seed=0).load_state_dict(saved)
+        FOOVB(mlp(), family, 3, seed=0, **PAPER).load_state_dict(saved)
     with pytest.raises(ValueError, match="number of trainable parameters"):
-        FOOVB(nn.Linear(4, 3), family, 3, seed=0).load_state_dict(saved)
+        FOOVB(nn.Linear(4, 3), family, 3, seed=0, **PAPER).load_state_dict(saved)
     with pytest.raises(ValueError, match="not a FOOVB state dict"):
-        FOOVB(mlp(), family, 3).load_state_dict(torch.optim.SGD(mlp().parameters(), lr=0.1).state_dict())
+        FOOVB(mlp(), family, 3, **PAPER).load_state_dict(torch.optim.SGD(mlp().parameters(), lr=0.1).state_dict())
     for bad in (None, [], "state", {**saved, "param_groups": [None]}):
         with pytest.raises(ValueError, match="not a FOOVB state dict"):
-            FOOVB(mlp(), family, 3).load_state_dict(bad)
+            FOOVB(mlp(), family, 3, **PAPER).load_state_dict(bad)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -818,12 +788,12 @@ def test_step_sizes_in_param_groups_are_the_ones_used(family):
     for tag in ("built", "changed"):
         models[tag] = mlp(seed=0)
         steps = {"mean_step": 0.3, "cov_step": 0.5} if tag == "built" else {}
-        opts[tag] = FOOVB(models[tag], family, 3, seed=4, **steps)
-    opts["changed"].param_groups[0].update(mean_step=0.3, cov_step=0.5)
+        opts[tag] = FOOVB(models[tag], family, 3, seed=4, **steps, **PAPER)
+    opts["changed"].param_groups[0].update(lr=0.3, cov_step=0.5)
     for tag in opts:
         _steps(models[tag], opts[tag], 0, 2)
     assert all_equal(posterior_snapshot(opts["built"]), posterior_snapshot(opts["changed"]))
-    assert not all_equal(posterior_snapshot(opts["built"]), posterior_snapshot(FOOVB(mlp(seed=0), family, 3, seed=4)))
+    assert not all_equal(posterior_snapshot(opts["built"]), posterior_snapshot(FOOVB(mlp(seed=0), family, 3, seed=4, **PAPER)))
     opt = opts["changed"]
     x, y = mlp_batch()
     opt.param_groups[0]["mc_samples"] = 5
@@ -834,8 +804,8 @@ def test_step_sizes_in_param_groups_are_the_ones_used(family):
     with pytest.raises(ValueError, match="std_init.*fixed at construction"):
         opt.step_batched(x, y)
     opt.param_groups[0]["std_init"] = 0.047
-    opt.param_groups[0]["mean_step"] = -1.0
-    with pytest.raises(ValueError, match="mean_step"):
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="'lr'.*mean_step"):
         opt.step_batched(x, y)
     with pytest.raises(ValueError, match="parameter groups cannot be added"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
@@ -844,7 +814,7 @@ def test_step_sizes_in_param_groups_are_the_ones_used(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_posterior_view_is_a_snapshot(family):
     model = mlp(seed=0)
-    opt = FOOVB(model, family, 3, seed=0)
+    opt = FOOVB(model, family, 3, seed=0, **PAPER)
     view = opt.posterior(model[0].weight)
     mean, std = view.mean.clone(), view.std.clone()
     view.std.mul_(0)
@@ -863,7 +833,7 @@ def _two_steps_with_autocast(family, outside):
     """A step and a batched step with bf16 autocast around them (outside) or inside the closure only; returns
     the posterior and the closure's outputs, one per sample."""
     model = mlp(seed=0)
-    opt = FOOVB(model, family, 4, seed=3)
+    opt = FOOVB(model, family, 4, seed=3, **PAPER)
     x, y = mlp_batch()
     outputs = []
 
@@ -902,7 +872,7 @@ def test_autocast_cache_of_an_outer_disabled_region_is_dropped(family):
     """autocast(enabled=False) around a step whose closure enables it: the inner region is not the outermost,
     so torch keeps its cache across samples unless the optimizer drops it."""
     model = mlp(seed=0)
-    opt = FOOVB(model, family, 3, seed=3)
+    opt = FOOVB(model, family, 3, seed=3, **PAPER)
     x, y = mlp_batch()
     errors = []
 
@@ -922,7 +892,7 @@ def test_autocast_cache_of_an_outer_disabled_region_is_dropped(family):
 
 def test_sampled_weights_inside_autocast_give_the_sampled_network():
     model = mlp(seed=0)
-    opt = FOOVB(model, "kronecker", 2, seed=0)
+    opt = FOOVB(model, "kronecker", 2, seed=0, **PAPER)
     x, _ = mlp_batch()
     with _bf16(), torch.no_grad():
         mean_output = model(x)
@@ -937,7 +907,7 @@ def test_sampled_weights_inside_autocast_give_the_sampled_network():
 
 def test_step_hooks_run_for_both_paths():
     model = mlp()
-    opt = FOOVB(model, "diagonal", 2, seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0, **PAPER)
     calls = []
     opt.register_step_pre_hook(lambda optimizer, args, kwargs: calls.append("pre"))
     opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
@@ -949,7 +919,7 @@ def test_step_hooks_run_for_both_paths():
 
 def test_sparse_gradients_are_refused():
     model = nn.Sequential(nn.Embedding(5, 3, sparse=True), nn.Flatten(), nn.Linear(6, 3))
-    opt = FOOVB(model, "diagonal", 2, seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0, **PAPER)
     ids, y = torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 2])
     with pytest.raises(ValueError, match="sparse gradients"):
         opt.step(ce_closure(model, ids, y))
@@ -960,7 +930,7 @@ def test_seeded_runs_reproducible_and_seeds_matter(family):
     runs = {}
     for tag, seed in (("a", 3), ("b", 3), ("c", 4)):
         model = mlp(seed=0)
-        opt = FOOVB(model, family, 2, seed=seed)
+        opt = FOOVB(model, family, 2, seed=seed, **PAPER)
         _steps(model, opt, 0, 2)
         runs[tag] = posterior_snapshot(opt) + params_snapshot(model)
     assert all_equal(runs["a"], runs["b"])
@@ -990,7 +960,7 @@ BAD_KWARGS = [
     ("cov_step", {"cov_step": float("nan")}),
     ("loss_reduction", {"loss_reduction": "avg"}),
     ("init", {"init": "xavier"}),
-    ("max_full_params", {"max_full_params": 0}),
+    ("max_full_params", {"posterior": "full", "max_full_params": 0}),
     ("antithetic", {"mc_samples": 3, "antithetic": True}),
     ("std_growth", {"std_growth": True}),
     ("cov_momentum", {"cov_momentum": -0.1}),
@@ -998,8 +968,15 @@ BAD_KWARGS = [
     ("cov_momentum", {"cov_momentum": float("nan")}),
     ("std_init", {"std_init": "0.1"}),
     ("std_init", {"std_init": 1e300}),
-    ("max_full_params", {"max_full_params": float("nan")}),
+    ("max_full_params", {"posterior": "full", "max_full_params": float("nan")}),
     ("seed", {"seed": 1.5}),
+    ("antithetic", {"antithetic": "false"}),  # a string is not a boolean (it would be truthy)
+    ("antithetic", {"antithetic": 1}),
+    ("preset", {"preset": "best"}),
+    ("std_growth applies to the diagonal family only", {"posterior": "kronecker", "std_growth": "none"}),
+    ("cov_momentum applies to the diagonal family only", {"posterior": "full", "cov_momentum": 0.5}),
+    ("alpha applies to the kronecker family only", {"alpha": 0.3}),
+    ("max_full_params applies to the full family only", {"max_full_params": 10}),
 ]
 
 
@@ -1009,34 +986,40 @@ BAD_IDS = [f"{name}={next(iter(kwargs.values()))}" for name, kwargs in BAD_KWARG
 @pytest.mark.parametrize("name, kwargs", BAD_KWARGS, ids=BAD_IDS)
 def test_invalid_hyperparameters_raise(name, kwargs):
     with pytest.raises(ValueError, match=name):
-        FOOVB(mlp(), **kwargs)
+        FOOVB(mlp(), **{**PAPER, **kwargs})
 
 
 def test_full_family_too_large_layer_reports_memory():
     with pytest.raises(ValueError, match=r"\d+\.\d+ GiB") as err:
-        FOOVB(nn.Linear(100, 50), "full")  # 5050 > 4096 parameters
+        FOOVB(nn.Linear(100, 50), "full", **PAPER)  # 5050 > 4096 parameters
     assert "max_full_params" in str(err.value)
     with pytest.raises(ValueError, match="GiB"):
-        FOOVB(nn.Linear(30, 20), "full", max_full_params=619)
-    FOOVB(nn.Linear(30, 20), "full", max_full_params=620)  # exactly at the limit is accepted
+        FOOVB(nn.Linear(30, 20), "full", max_full_params=619, **PAPER)
+    FOOVB(nn.Linear(30, 20), "full", max_full_params=620, **PAPER)  # exactly at the limit is accepted
 
 
 def test_step_requires_closure_and_batch_size():
     model = mlp()
     with pytest.raises(ValueError, match="closure"):
-        FOOVB(model, "diagonal").step()
+        FOOVB(model, "diagonal", **PAPER).step()
     x, y = mlp_batch()
-    opt = FOOVB(model, "diagonal", loss_reduction="mean")
+    opt = FOOVB(model, "diagonal", loss_reduction="mean", preset="paper")
+
+    def scaled_mean_closure():  # a mean times a constant: its number of terms cannot be read from the loss
+        loss = 2.0 * F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
     with pytest.raises(ValueError, match="batch_size"):
-        opt.step(ce_closure(model, x, y, "mean"))
+        opt.step(scaled_mean_closure)
     with pytest.raises(ValueError, match="rows"):
         opt.step_batched(x, y[:-1])
     with pytest.raises(ValueError, match="chunk_size"):
         opt.step_batched(x, y, chunk_size=0)
     with pytest.raises(ValueError, match="empty batch"):
         opt.step_batched(x[:0], y[:0])
-    with pytest.raises(ValueError, match="loss_reduction='mean' only"):  # a summed loss is not rescaled
-        FOOVB(model, "diagonal").step(ce_closure(model, x, y), batch_size=len(x))
+    with pytest.raises(ValueError, match="with loss_reduction='sum'"):  # a summed loss is not rescaled
+        FOOVB(model, "diagonal", **PAPER).step(ce_closure(model, x, y), batch_size=len(x))
 
 
 def _nan_loss_closure(model, x, y):
@@ -1077,7 +1060,7 @@ def _no_loss_closure(model, x, y):
 )
 def test_failing_step_raises_and_leaves_everything_unchanged(family, make_closure, error, match):
     model = mlp()
-    opt = FOOVB(model, family, 3, seed=0)
+    opt = FOOVB(model, family, 3, seed=0, **PAPER)
     x, y = mlp_batch()
     opt.step(ce_closure(model, x, y))  # a normal step first: non-trivial state
     posterior, params = posterior_snapshot(opt), params_snapshot(model)
@@ -1091,7 +1074,7 @@ def test_failing_step_raises_and_leaves_everything_unchanged(family, make_closur
 @pytest.mark.parametrize("family", FAMILIES)
 def test_non_finite_batched_loss_raises_and_leaves_everything_unchanged(family):
     model = mlp()
-    opt = FOOVB(model, family, 3, seed=0)
+    opt = FOOVB(model, family, 3, seed=0, **PAPER)
     x, y = mlp_batch()
     posterior, params = posterior_snapshot(opt), params_snapshot(model)
     with pytest.raises(FloatingPointError):
@@ -1103,7 +1086,7 @@ def test_non_finite_batched_loss_raises_and_leaves_everything_unchanged(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_closure_exception_propagates_and_restores_mean(family):
     model = mlp()
-    opt = FOOVB(model, family, 3, seed=0)
+    opt = FOOVB(model, family, 3, seed=0, **PAPER)
     posterior, params = posterior_snapshot(opt), params_snapshot(model)
     calls = []
 
@@ -1159,7 +1142,7 @@ def _weight_norm_mlp():
 )
 def test_batched_path_rejects_what_it_would_compute_differently(make_model, match):
     model = make_model()
-    opt = FOOVB(model, "diagonal", 2, seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0, **PAPER)
     x, y = mlp_batch()
     with pytest.raises(ValueError, match=match):
         opt.step_batched(x, y)
@@ -1172,7 +1155,7 @@ def test_weight_normed_layer_gets_a_posterior_over_its_own_parameters(family):
     cannot factor them, so they fall back to diagonal blocks; the batched path, which samples weight and bias,
     refuses the layer, and the sequential path trains it."""
     model = _weight_norm_mlp()
-    opt = FOOVB(model, family, 2, seed=0)
+    opt = FOOVB(model, family, 2, seed=0, **PAPER)
     layer = model[0]
     assert {id(p) for b in opt.blocks for p in b.params} == {id(p) for p in model.parameters()}
     assert opt.posterior(layer.weight_g).std.shape == layer.weight_g.shape
@@ -1193,7 +1176,7 @@ def test_batched_path_accepts_batch_norm_with_running_statistics(family):
         model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, affine=False), nn.ReLU(), nn.Linear(6, 3)).double()
         model[1].running_mean.uniform_(-1, 1)
         model[1].eval()
-        opt = FOOVB(model, family, 3, seed=0)
+        opt = FOOVB(model, family, 3, seed=0, **PAPER)
         x, y = mlp_batch()
         x = x.double()
         opt.step(ce_closure(model, x, y)) if path == "step" else opt.step_batched(x, y)
@@ -1206,7 +1189,7 @@ def test_batched_path_accepts_batch_norm_with_running_statistics(family):
 def test_batched_path_rejects_a_model_that_reshapes_the_batch(family):
     """With K = 2 the first layer's 2 r rows look like 2 stacked samples: refused, not misread."""
     model = _PerToken()
-    opt = FOOVB(model, family, 2, seed=0)
+    opt = FOOVB(model, family, 2, seed=0, **PAPER)
     x, y = torch.randn(4, 8), torch.randint(6, (4,))
     with pytest.raises(ValueError, match="first layer got 8 rows, the batch has 4"):
         opt.step_batched(x, y)
@@ -1215,7 +1198,7 @@ def test_batched_path_rejects_a_model_that_reshapes_the_batch(family):
 
 def test_step_batched_exception_restores_module_forward():
     model = mlp()
-    opt = FOOVB(model, "kronecker", 2, seed=0)
+    opt = FOOVB(model, "kronecker", 2, seed=0, **PAPER)
     x, y = mlp_batch()
     posterior = posterior_snapshot(opt)
 
@@ -1233,7 +1216,7 @@ def test_kronecker_rejects_frozen_bias_with_trainable_weight():
     model = mlp()
     model[0].bias.requires_grad_(False)
     with pytest.raises(ValueError, match="frozen bias"):
-        FOOVB(model, "kronecker")
+        FOOVB(model, "kronecker", **PAPER)
 
 
 def _frozen_weight_mlp():
@@ -1244,7 +1227,7 @@ def _frozen_weight_mlp():
 
 def test_paper_init_leaves_frozen_weight_alone():
     model, frozen = _frozen_weight_mlp()
-    FOOVB(model, "diagonal", init="paper", seed=0)
+    FOOVB(model, "diagonal", init="paper", seed=0, **PAPER)
     assert torch.equal(model[0].weight.detach(), frozen)
 
 
@@ -1253,7 +1236,7 @@ def test_kronecker_training_leaves_frozen_weight_alone():
     x, y = mlp_batch()
     x = x.double()
     try:
-        opt = FOOVB(model, "kronecker", 3, init="keep", seed=0)
+        opt = FOOVB(model, "kronecker", 3, init="keep", seed=0, **PAPER)
     except ValueError:  # rejecting the configuration, like a frozen bias, would be fine too
         return
     seen = []
@@ -1276,7 +1259,7 @@ def test_batched_path_with_frozen_weight_matches_sequential(family):
     runs = []
     for batched in (False, True):
         model, frozen = _frozen_weight_mlp()
-        opt = FOOVB(model, family, 3, init="keep", seed=0)
+        opt = FOOVB(model, family, 3, init="keep", seed=0, **PAPER)
         try:
             opt.step_batched(x, y) if batched else opt.step(ce_closure(model, x, y))
         except ValueError as err:  # a clear refusal would be acceptable
@@ -1305,7 +1288,7 @@ def _transform_covariance(block, index):
 @pytest.mark.parametrize("mode", ["step", "batched"])
 def test_posterior_views(family, mode):
     model = mlp(dtype=F64)
-    opt = FOOVB(model, family, 4, seed=2)
+    opt = FOOVB(model, family, 4, seed=2, **PAPER)
     x, y = mlp_batch()
     x = x.double()
     for _ in range(2):
@@ -1386,18 +1369,18 @@ def test_std_growth_none_diagonal_equals_full_family_on_one_weight():
     """For a single weight the full family's Lemma 2 solution is the diagonal update with std_growth="none",
     on a loss with negative curvature too (the paper's diagonal closed form grows sigma there)."""
     stds = {}
-    for family, growth in (("full", "paper"), ("diagonal", "none"), ("diagonal", "paper")):
+    for family, growth in (("full", None), ("diagonal", "none"), ("diagonal", "paper")):
         lin = nn.Linear(1, 1, bias=False).double()
         with torch.no_grad():
             lin.weight.fill_(0.3)
-        opt = FOOVB(lin, family, 6, init="keep", std_init=0.4, std_growth=growth, seed=3)
+        opt = FOOVB(lin, family, 6, init="keep", std_init=0.4, std_growth=growth, seed=3, **PAPER)
         closure = quadratic_closure(lin.weight, torch.full((1, 1), 0.1, dtype=F64),
                                     torch.full((1, 1), 2.0, dtype=F64), sign=-1.0)
         for _ in range(3):
             opt.step(closure)
         stds[family, growth] = opt.posterior(lin.weight).std
-    torch.testing.assert_close(stds["diagonal", "none"], stds["full", "paper"], rtol=1e-10, atol=0)
-    assert stds["full", "paper"].item() < 0.4 < stds["diagonal", "paper"].item()
+    torch.testing.assert_close(stds["diagonal", "none"], stds["full", None], rtol=1e-10, atol=0)
+    assert stds["full", None].item() < 0.4 < stds["diagonal", "paper"].item()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1414,14 +1397,14 @@ def test_defaults_are_the_papers_settings():
     """K = 10 Monte Carlo samples (paper, "Algorithms": "The $K=10$ MC samples", foo-vb.tex l. 376; appendix
     l. 861), sigma_init = 0.047 and alpha = 0.5 (appendix "Discrete permuted MNIST", l. 867-868)."""
     model = mlp()
-    opt = FOOVB(model, seed=0)
+    opt = FOOVB(model, seed=0, **PAPER)
     assert opt.posterior_family == "diagonal" and opt.mc_samples == 10
     group = opt.param_groups[0]
     assert (group["mc_samples"], group["std_init"], group["alpha"]) == (10, 0.047, 0.5)
     for p in model.parameters():
         assert torch.equal(opt.posterior(p).std, torch.full_like(p, 0.047))
     layer = nn.Linear(4, 3)
-    std = FOOVB(layer, "kronecker", seed=0).posterior(layer.weight).std  # sqrt(2 (1 - alpha) / (n_in + 2))
+    std = FOOVB(layer, "kronecker", seed=0, **PAPER).posterior(layer.weight).std  # sqrt(2 (1 - alpha) / (n_in + 2))
     torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 * (1 - 0.5) / (4 + 2))))
 
 
@@ -1432,7 +1415,7 @@ def test_paper_init_diagonal_and_full(family):
         model = nn.Sequential(nn.Linear(400, 500), nn.Conv2d(32, 64, 3))
     else:
         model = nn.Sequential(nn.Linear(40, 50))
-    opt = FOOVB(model, family, std_init=0.03, seed=0)
+    opt = FOOVB(model, family, std_init=0.03, seed=0, **PAPER)
     for module in model:
         fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
         _check_normal_sample(module.weight.detach(), math.sqrt(2 / (fan_in + fan_out)))
@@ -1445,7 +1428,7 @@ def test_bgd_init_draws_biases_with_fan_out_variance():
     """init="bgd": the paper's weights and the BGD code's biases N(0, 2 / (1 + fan_out)). The last layer has
     fan_in >> fan_out, where 2 / (1 + fan_out) is 5x 2 / (fan_in + fan_out)."""
     model = nn.Sequential(nn.Linear(30, 4000), nn.Conv2d(3, 500, 3), nn.Linear(2000, 500))
-    FOOVB(model, "diagonal", init="bgd", seed=0)
+    FOOVB(model, "diagonal", init="bgd", seed=0, **PAPER)
     for module in model:
         fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
         _check_normal_sample(module.weight.detach(), math.sqrt(2 / (fan_in + fan_out)))
@@ -1463,10 +1446,10 @@ def test_alpha_init_matches_the_matrix_variate_family(family):
         return [nn.Linear(n_in0, n_out0), nn.Conv2d(c_in, c_out, 3)]
 
     model = nn.Sequential(*layers(), nn.GroupNorm(1, c_out))
-    opt = FOOVB(model, family, std_init=0.03, init="alpha", alpha=alpha, seed=0)
+    opt = FOOVB(model, family, std_init=0.03, init="alpha", alpha=alpha, seed=0, **PAPER)
     for module, twin in zip(model[:2], layers(), strict=True):
         n_in = module.weight[0].numel()
-        kronecker = FOOVB(twin, "kronecker", alpha=alpha, seed=0)
+        kronecker = FOOVB(twin, "kronecker", alpha=alpha, seed=0, **PAPER)
         if family == "diagonal":  # enough draws for a distribution check
             _check_normal_sample(module.weight.detach(), math.sqrt(2 * alpha / (n_in + 2)))
         for index, p in enumerate((module.weight, module.bias)):
@@ -1482,7 +1465,7 @@ def test_alpha_init_matches_the_matrix_variate_family(family):
                          ids=["linear", "conv", "linear-2-inputs"])
 def test_paper_init_kronecker(module):
     alpha = 0.3
-    opt = FOOVB(module, "kronecker", alpha=alpha, seed=0)
+    opt = FOOVB(module, "kronecker", alpha=alpha, seed=0, **PAPER)
     block = opt.blocks[0]
     n_in = module.weight[0].numel()
     _check_normal_sample(block.state["mean"], math.sqrt(2 * alpha / (n_in + 2)))
@@ -1502,12 +1485,12 @@ def test_paper_init_kronecker(module):
 def test_init_keep_keeps_model_weights_and_paper_init_is_seeded(family):
     model = mlp(seed=4)
     before = params_snapshot(model)
-    FOOVB(model, family, init="keep")
+    FOOVB(model, family, init="keep", **PAPER)
     assert all_equal(params_snapshot(model), before)
     inits = []
     for seed in (1, 1, 2):
         model = mlp(seed=4)
-        FOOVB(model, family, seed=seed)
+        FOOVB(model, family, seed=seed, **PAPER)
         inits.append(params_snapshot(model))
     assert not all_equal(inits[0], before)
     assert all_equal(inits[0], inits[1]) and not all_equal(inits[0], inits[2])
@@ -1525,7 +1508,7 @@ def test_batched_kronecker_refuses_a_linear_called_twice():
 
     torch.manual_seed(0)
     model = Tied()
-    opt = FOOVB(model, "kronecker", mc_samples=2, seed=0)
+    opt = FOOVB(model, "kronecker", mc_samples=2, seed=0, **PAPER)
     x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
     with pytest.raises(ValueError, match="called twice"):
         opt.step_batched(x, y)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, all_equal, mlp, mlp_batch, params_snapshot, posterior_snapshot
+from conftest import FAMILIES, PAPER, all_equal, mlp, mlp_batch, params_snapshot, posterior_snapshot
 from torch import nn
 from torch.func import functional_call
 
@@ -17,7 +17,7 @@ K = 6
 
 def trained(family, model=None, std_init=0.1, seed=0):
     model = mlp(seed=0) if model is None else model
-    opt = FOOVB(model, family, 3, std_init=std_init, seed=seed)
+    opt = FOOVB(model, family, 3, std_init=std_init, seed=seed, **PAPER)
     x, y = mlp_batch()
     opt.step(lambda: _loss_backward(model, x, y))
     return model, opt

@@ -9,7 +9,7 @@ all-reduce, in two ways:
   sample indices (`FOOVB.sample_shard`); the statistics of the shares are summed.
 * ``mode="data"`` (data-parallel): every process evaluates all K samples, with the same noise, on its own
   contiguous shard of the batch (`shard_batch`). L_n is a *sum* over rows, so the full batch's statistics are
-  the sum of the shards' statistics (this needs ``loss_reduction="sum"``).
+  the sum of the shards' statistics (this needs ``loss_reduction`` "auto" or "sum").
 
 In both modes `all_reduce_statistics` (called by `FOOVB._apply_update` whenever `FOOVB.process_group` is set)
 sums the statistics and the per-sample losses with one all-reduce per dtype (one in practice; low-rank
@@ -155,7 +155,7 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     Args:
         mode: "mc" (every process gets the same batch and evaluates its share of the K samples; needs
             K >= number of processes) or "data" (every process gets its shard of the batch, see
-            `shard_batch`, and evaluates all K samples; needs loss_reduction="sum").
+            `shard_batch`, and evaluates all K samples; needs loss_reduction "auto" or "sum").
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
@@ -164,8 +164,8 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     _require_initialized("foovb.distributed.distribute")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "data" and optimizer.loss_reduction != "sum":
-        raise ValueError("mode='data' needs loss_reduction='sum': with 'mean' each process's loss would be "
+    if mode == "data" and optimizer.loss_reduction == "mean":
+        raise ValueError("mode='data' needs loss_reduction 'auto' or 'sum': with 'mean' each process's loss would be "
                          "the mean over its own shard, and the shards' statistics could not be summed")
     group = _group_or_world(group)
     state = [block.state[key] for block in optimizer.blocks for key in sorted(block.state)]

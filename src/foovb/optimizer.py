@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .linalg import LowRank
 from .posteriors import (
@@ -32,7 +33,7 @@ from .posteriors import (
     full_precision,
 )
 from .sampled import SampledNetwork, check_batched_support
-from .validation import is_integer, is_real
+from .validation import is_boolean, is_integer, is_real
 
 __all__ = ["FOOVB"]
 
@@ -52,11 +53,30 @@ def _mix(*values: int) -> int:
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
 MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
+LOSS_REDUCTIONS = ("auto", "sum", "mean")
+
+# Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
+# (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
+# (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, beta < 1; the model's own weights
+# as the prior mean. The full family's recommendation is the paper's with antithetic pairs (not tuned).
+_PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
+          "std_growth": "paper", "cov_momentum": 0.0, "init": "paper", "max_full_params": 4096}
+PRESETS: dict[str, dict[str, dict]] = {
+    "recommended": {
+        "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.3, "antithetic": True, "std_growth": "none",
+                     "init": "keep"},
+        "kronecker": {**_PAPER, "cov_step": 0.1, "antithetic": True, "std_growth": "none", "init": "keep"},
+        "full": {**_PAPER, "antithetic": True, "init": "keep"},
+    },
+    "paper": {family: dict(_PAPER) for family in FAMILIES},
+}
+# Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
+# preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
+FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "alpha": ("kronecker",),
+               "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
-# step sizes mean_step and cov_step are read from param_groups at every step and may change between steps)
+# step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
-# Hyperparameters added after the first releases, with the behaviour of the versions whose state dicts lack them
-LEGACY_DEFAULTS = {"cov_step": 1.0, "antithetic": False, "std_growth": "paper", "cov_momentum": 0.0}
 
 
 def _fixed_setting(key: str, doc: str) -> property:
@@ -67,76 +87,183 @@ def _step_size(key: str, doc: str) -> property:
     return property(lambda self: self.param_groups[0][key], doc=f"{doc} Read from param_groups[0] at every step.")
 
 
-def _upgrade_group(group: object) -> object:
-    """A saved parameter group in the current format: keys of later versions at the values that reproduce what
-    the saving version did (`shrink_only`, one version's name for std_growth="none", mapped)."""
-    if not isinstance(group, dict):
-        return group
-    group = dict(group)
-    if "shrink_only" in group and "std_growth" not in group:
-        group["std_growth"] = "none" if group.pop("shrink_only") else "paper"
-    return {**LEGACY_DEFAULTS, **group}
-
-
-def _check_step_sizes(mean_step: object, cov_step: object) -> None:
-    for name, step in (("mean_step", mean_step), ("cov_step", cov_step)):
+def _check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
+    for name, step in zip(names, (mean_step, cov_step), strict=True):
         if not (is_real(step) and math.isfinite(step) and step > 0):
             raise ValueError(f"{name} must be a positive finite number (Python or numpy scalar), got {step!r}")
 
 
+def loss_reduction_of(loss: Tensor) -> tuple[str, float]:
+    """How a scalar loss was reduced over its terms, read from the last operation of its autograd graph.
+
+    Returns ("mean", n) for a mean over n terms (F.cross_entropy / nll_loss's total weight, the element count
+    of .mean() and of the other loss functions' "mean" reduction), ("sum", 1.0) for a sum, and
+    (operation name, nan) when the last operation is neither (e.g. an addition: loss + regulariser). A division
+    or multiplication by the constant 1 is looked through (Lightning divides the loss by its gradient
+    accumulation count, 1 without accumulation). Must be called before backward(), which frees what the graph
+    saved.
+    """
+    node = loss.grad_fn
+    if node is None or loss.numel() != 1:
+        return ("no graph" if node is None else "a non-scalar loss", math.nan)
+    while (type(node).__name__ in ("DivBackward0", "MulBackward0") and node.next_functions[1][0] is None
+           and getattr(node, "_saved_self", 0) is None and node._saved_other.numel() == 1
+           and float(node._saved_other) == 1.0):
+        node = node.next_functions[0][0]
+    name = type(node).__name__
+    if name.startswith("SumBackward"):
+        return ("sum", 1.0)
+    if name.startswith("MeanBackward"):
+        return ("mean", float(math.prod(node._saved_self_sym_sizes)))
+    reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum
+    if reduction == 2:
+        return ("sum", 1.0)
+    if reduction == 1:
+        total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
+        return ("mean", float(total_weight) if total_weight is not None else float(node._saved_self.numel()))
+    return (name, math.nan)
+
+
+class _LossSpy(TorchFunctionMode):
+    """Reads `loss_reduction_of` the first tensor that backward() is called on (before the graph is freed).
+    The closure's returned loss cannot serve: Lightning returns a detached copy, and backward has run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduction: tuple[str, float] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self.reduction is None and func in (Tensor.backward, torch.autograd.backward) and args \
+                and isinstance(args[0], Tensor):
+            self.reduction = loss_reduction_of(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+class _RunningStatistics:
+    """Batch-norm running statistics updated once per step: each sampled network's forward starts from the
+    statistics before the step, and the step leaves their average over the samples (the update the
+    averaged batch statistics give; K updates per step would forget K times faster)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules()
+                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None]
+        self.before = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+                       for m in self.modules]
+        self.sums = [(torch.zeros_like(mean), torch.zeros_like(var)) for mean, var, _ in self.before]
+        self.count = 0
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, (mean, var, tracked) in zip(self.modules, self.before, strict=True):
+            module.running_mean.copy_(mean)
+            module.running_var.copy_(var)
+            module.num_batches_tracked.copy_(tracked)
+
+    @torch.no_grad()
+    def record(self) -> None:
+        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+            mean_sum.add_(module.running_mean)
+            var_sum.add_(module.running_var)
+        self.count += 1
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Leave the average of the recorded statistics (num_batches_tracked as one sample left it)."""
+        if not self.count:
+            return
+        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+            module.running_mean.copy_(mean_sum / self.count)
+            module.running_var.copy_(var_sum / self.count)
+
+
+def _validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
+              mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
+              init: object, max_full_params: object) -> None:
+    """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
+    if not is_integer(mc_samples) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+    for name, value in (("std_init", std_init), ("alpha", alpha), ("cov_momentum", cov_momentum)):
+        if not is_real(value):
+            raise ValueError(f"{name} must be a real number, got {value!r}")
+    if not (math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
+        raise ValueError(f"std_init must be in (0, {MAX_STD_INIT}], got {std_init!r}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    _check_step_sizes(mean_step, cov_step)
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if not is_boolean(antithetic):
+        raise ValueError(f"antithetic must be True or False, got {antithetic!r}")
+    if antithetic and mc_samples % 2:
+        raise ValueError(f"antithetic sampling (on in the recommended preset) pairs the samples: mc_samples must be "
+                         f"even, got {mc_samples}; pass antithetic=False for an odd K")
+    if std_growth not in STD_GROWTH:
+        raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
+    if not 0 <= cov_momentum < 1:
+        raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
+    if not is_integer(max_full_params) or max_full_params < 1:
+        raise ValueError(f"max_full_params must be a positive integer, got {max_full_params!r}")
+    if seed is not None and not is_integer(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
 class FOOVB(torch.optim.Optimizer):
-    """Fixed-point Operator for Online Variational Bayes.
+    """Fixed-point Operator for Online Variational Bayes (paper, Algorithm 1).
+
+    The model's parameters hold the posterior mean mu (after every step); the posterior is
+    theta = mu + A eps, eps ~ N(0, I), with A per family. One step on a mini-batch with summed loss L_n::
+
+        for k in 1..K:                      # Monte Carlo samples (antithetic pairs: eps_2j+1 = -eps_2j)
+            theta_k = mu + A eps_k          # load_sample
+            g_k = grad L_n(theta_k)         # the closure (or one batched pass for all K)
+        E[g] = mean_k g_k,  E[g eps^T] = mean_k g_k eps_k^T
+        mu    <- mu - eta A A^T E[g]                        # Eq. "mean update" (eta = 1 in the paper)
+        A     <- solution of the fixed point with beta E[g eps^T]   # Lemmas 1-2; diagonal: closed form
 
     Args:
-        model: the network. Its parameters are the posterior means; after every step they hold the mean.
+        model: the network. Its parameters are the prior mean (init="keep") or are re-initialised
+            (init="paper"); after every step they hold the posterior mean.
         posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
             Algorithm 3, per nn.Linear / nn.Conv2d whose parameters are its weight and bias; other parameters,
             e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
             (multivariate, Algorithm 2, one full covariance per module; small layers only).
-        mc_samples: K, Monte Carlo samples per step. K = 1 is allowed but unstable: one sample's E[g eps] can
-            be strongly negative, inflating sigma and then the mean step sigma^2 E[g] (the paper uses 10).
-        std_init: initial posterior std of the diagonal and full families (paper: 0.047 discrete,
-            0.06 continuous permuted MNIST).
+        mc_samples: K, Monte Carlo samples per step (the paper uses 10; K <= 2 is unstable).
+        preset: where the hyperparameters left None come from: "recommended" (the best settings measured in
+            this project, per family: `PRESETS`) or "paper" (the paper's settings, its initialisation included).
+        std_init: initial posterior std of the diagonal and full families, and of the matrix family's
+            fallback tensors (paper: 0.047 discrete, 0.06 continuous permuted MNIST).
         alpha: matrix-variate initialisation split (Implementation details): the mean carries a fraction
-            alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest.
-        mean_step: multiplier eta of the mean update mu <- mu - eta Sigma E[g]. The paper uses 1;
-            other values are an extension.
-        cov_step: multiplier beta of E[g eps^T] in the covariance update (Lemmas 1-2; for the diagonal family
+            alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest (posterior
+            "kronecker", or init="alpha").
+        mean_step: eta of the mean update mu <- mu - eta Sigma E[g] (the paper: 1). Held in
+            param_groups[0]["lr"], so that torch LR schedulers scale it.
+        cov_step: beta, the multiplier of E[g eps^T] in the covariance update (Lemmas 1-2; diagonal:
             sigma <- sigma sqrt(1 + (beta sigma E[g eps] / 2)^2) - beta sigma^2 E[g eps] / 2): the fixed point
-            of the covariance for the likelihood raised to the power beta, the mean update unchanged. The paper
-            uses 1. With E passes over the same data (epochs), beta = 1/E counts each example once in the
-            posterior's precision instead of E times (an extension).
-        loss_reduction: "sum" (the closure returns the summed NLL of the batch, the paper's L_n) or "mean".
-        init: "paper" initialises the means as in the paper's appendix (Linear/Conv weights
-            N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha split); "bgd" is "paper" with
-            the biases of the authors' BGD code, N(0, 2 / (1 + fan_out)) (the appendix does not state them);
-            "alpha" gives the diagonal and full families the matrix-variate initialisation of the appendix,
-            per Linear/Conv layer with fan-in n_in: means (weights and biases) N(0, 2 alpha / (n_in + 2)) and
-            prior std sqrt(2 (1 - alpha) / (n_in + 2)) in place of std_init, so that the step sigma^2 E[g]
-            changes every layer's outputs by the same order (an extension; for "kronecker" it is "paper");
-            "keep" uses the model's current parameters as the prior mean.
+            of the covariance for the likelihood raised to the power beta (the paper: 1). With E passes over
+            the same data, beta = 1/E counts each example once.
         antithetic: draw the Monte Carlo samples in antithetic pairs (eps, -eps) (needs an even mc_samples).
-            The estimates of E[g] and E[g eps^T] stay unbiased, and the part of the noise that is linear in
-            eps cancels within each pair: on a quadratic loss E[g] is exact and E[g eps^T] is H A eps eps^T,
-            free of the gradient at the mean, usually the largest noise term. It matters most for the matrix
-            families, whose covariance that noise only shrinks (an extension; the paper draws the samples
-            independently).
-        std_growth: how the diagonal family's sigma may grow (the matrix families never grow: Lemma 2's solution).
-            "paper": the closed form of Eq. "diagonal implicit solution", which raises sigma where
-            E[g eps] < 0; a noisy negative estimate early in training can inflate sigma, and with it the step
-            sigma^2 E[g], by orders of magnitude in one step. "capped": the same, but never above the
-            initial std. "none": the root that Lemma 2's solution takes for the matrix families,
-            sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so sigma never grows.
-            "capped" and "none" are extensions.
-        cov_momentum: rho in [0, 1). With rho > 0 the diagonal family's sigma update uses an exponential moving
-            average over steps of its E[g eps] estimates, m <- rho m + (1 - rho) E[g eps] (started at the first
-            estimate), in place of the current one; the mean update is unchanged. Each step's estimate from K
-            samples is noisy (with antithetic pairs, mostly the other weights' curvature: sum_j H_ij eps_i eps_j),
-            and the Lemma 2 root ("none") shrinks sigma by |sigma E[g eps]|, so that noise alone shrinks sigma;
-            the average over about 1 / (1 - rho) steps, while sigma moves little, leaves less of it. On permuted
-            MNIST that hurt (README): there the noise-driven shrinkage acts as memory. 0 is the paper (an
-            extension; applies to diagonal blocks, including the other families' fallback tensors).
-        max_full_params: largest block for the full family (its square root of the covariance is d x d).
+            The estimates stay unbiased and the noise linear in eps cancels within each pair: on a quadratic
+            loss E[g] is exact (an extension; the paper draws the samples independently).
+        std_growth: diagonal family: how sigma may grow. "paper": the closed form of Eq. "diagonal implicit
+            solution", which raises sigma where E[g eps] < 0; "capped": the same, never above std_init;
+            "none": Lemma 2's root, sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so
+            sigma never grows (the matrix families' solution). "capped" and "none" are extensions.
+        cov_momentum: diagonal family: rho in [0, 1) of an exponential moving average over steps of the
+            E[g eps] estimates used by the sigma update (0: the paper; an extension).
+        init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
+            "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
+            split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
+            "alpha" (the matrix-variate split for the diagonal and full families: means
+            N(0, 2 alpha / (n_in + 2)), prior std sqrt(2 (1 - alpha) / (n_in + 2)) per layer).
+        max_full_params: full family: the largest block (its square root of the covariance is d x d).
+        loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
+            batch's summed negative log-likelihood. "auto": read from the loss (`loss_reduction_of`): a mean
+            (F.cross_entropy's default, .mean()) is rescaled by its number of terms, a sum is taken as is,
+            anything else is an error that asks for "sum" or "mean". "sum": the loss is L_n (a loss that
+            reads as a mean is an error). "mean": the loss is L_n / n, n from step(closure, batch_size=n)
+            or read from the loss.
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
 
@@ -146,55 +273,44 @@ class FOOVB(torch.optim.Optimizer):
         posterior: str = "diagonal",
         mc_samples: int = 10,
         *,
-        std_init: float = 0.047,
-        alpha: float = 0.5,
-        mean_step: float = 1.0,
-        cov_step: float = 1.0,
-        loss_reduction: str = "sum",
-        init: str = "paper",
-        max_full_params: int = 4096,
-        antithetic: bool = False,
-        std_growth: str = "paper",
-        cov_momentum: float = 0.0,
+        preset: str = "recommended",
+        std_init: float | None = None,
+        alpha: float | None = None,
+        mean_step: float | None = None,
+        cov_step: float | None = None,
+        antithetic: bool | None = None,
+        std_growth: str | None = None,
+        cov_momentum: float | None = None,
+        init: str | None = None,
+        max_full_params: int | None = None,
+        loss_reduction: str = "auto",
         seed: int | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if posterior not in FAMILIES:
             raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
-        if not is_integer(mc_samples) or mc_samples < 1:
-            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
-        for name, value in (("std_init", std_init), ("alpha", alpha), ("cov_momentum", cov_momentum)):
-            if not is_real(value):
-                raise ValueError(f"{name} must be a real number, got {value!r}")
-        if not (math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
-            raise ValueError(f"std_init must be in (0, {MAX_STD_INIT}], got {std_init!r}")
-        if not 0 < alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-        _check_step_sizes(mean_step, cov_step)
-        if loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
-        if init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {init!r}")
-        if antithetic and mc_samples % 2:
-            raise ValueError(f"antithetic sampling pairs the samples: mc_samples must be even, got {mc_samples}")
-        if std_growth not in STD_GROWTH:
-            raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
-        if not 0 <= cov_momentum < 1:
-            raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
-        if not is_integer(max_full_params) or max_full_params < 1:
-            raise ValueError(f"max_full_params must be a positive integer, got {max_full_params!r}")
-        if seed is not None and not is_integer(seed):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+        given = {"std_init": std_init, "alpha": alpha, "mean_step": mean_step, "cov_step": cov_step,
+                 "antithetic": antithetic, "std_growth": std_growth, "cov_momentum": cov_momentum, "init": init,
+                 "max_full_params": max_full_params}
+        given = {key: value for key, value in given.items() if value is not None}
+        for key, families in FAMILY_ONLY.items():
+            if key in given and posterior not in families and not (key == "alpha" and given.get("init") == "alpha"):
+                raise ValueError(f"{key} applies to the {' and '.join(families)} family only, not to "
+                                 f"posterior={posterior!r}")
+        settings = {**PRESETS[preset][posterior], **given}
+        _validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
         # Python numbers in param_groups (numpy scalars would not load with torch.load's weights_only default)
-        mc_samples, max_full_params = int(mc_samples), int(max_full_params)
-        std_init, alpha, cov_momentum = float(std_init), float(alpha), float(cov_momentum)
-        defaults = dict(posterior=posterior, mc_samples=mc_samples, std_init=std_init, alpha=alpha,
-                        mean_step=float(mean_step), cov_step=float(cov_step), loss_reduction=loss_reduction,
-                        antithetic=bool(antithetic), std_growth=std_growth, cov_momentum=cov_momentum)
+        defaults = dict(posterior=posterior, mc_samples=int(mc_samples), std_init=float(settings["std_init"]),
+                        alpha=float(settings["alpha"]), lr=float(settings["mean_step"]),
+                        cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
+                        antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
+                        cov_momentum=float(settings["cov_momentum"]))
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
@@ -202,27 +318,29 @@ class FOOVB(torch.optim.Optimizer):
         self.process_group = None  # set by foovb.distributed.distribute
         # The Monte Carlo sample indices this process evaluates: all of them, or a share under MC-parallel
         # torch.distributed training (the update always averages over all mc_samples after the all-reduce).
-        self.sample_shard = range(mc_samples)
+        self.sample_shard = range(int(mc_samples))
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
+        init, alpha = settings["init"], float(settings["alpha"])
         layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
         if posterior != "kronecker":  # the matrix-variate blocks initialise themselves
             if init == "alpha":
                 layer_std = self._alpha_init(model, alpha)
             elif init != "keep":
                 self._paper_init(model, random_bias=init == "bgd")
-        self.blocks = self._make_blocks(model, posterior, std_init, alpha, init, max_full_params, layer_std)
+        self.blocks = self._make_blocks(model, posterior, float(settings["std_init"]), alpha, init,
+                                        int(settings["max_full_params"]), layer_std)
         self.load_mean_into_model()
 
     # Read-only views of the construction-time settings (param_groups shows them too; changing them is refused)
     mc_samples = _fixed_setting("mc_samples", "K, Monte Carlo samples per step.")
     posterior_family = _fixed_setting("posterior", '"diagonal", "kronecker" or "full".')
-    loss_reduction = _fixed_setting("loss_reduction", '"sum" or "mean".')
+    loss_reduction = _fixed_setting("loss_reduction", '"auto", "sum" or "mean".')
     antithetic = _fixed_setting("antithetic", "Whether the Monte Carlo samples come in pairs (eps, -eps).")
     std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
     cov_momentum = _fixed_setting("cov_momentum", "rho of the diagonal family's average of E[g eps] over steps.")
     # The step sizes, read from param_groups at every step (a schedule may change them there)
-    mean_step = _step_size("mean_step", "eta of the mean update mu <- mu - eta Sigma E[g].")
+    mean_step = _step_size("lr", 'eta of the mean update mu <- mu - eta Sigma E[g] (param_groups[0]["lr"]).')
     cov_step = _step_size("cov_step", "beta, the multiplier of E[g eps^T] in the covariance update.")
 
     def add_param_group(self, param_group: dict) -> None:
@@ -237,9 +355,10 @@ class FOOVB(torch.optim.Optimizer):
         for key, value in self._fixed.items():
             if group[key] != value:
                 raise ValueError(f"param_groups[0][{key!r}] was changed from {value!r} to {group[key]!r}; it is "
-                                 "fixed at construction (build a new FOOVB); only mean_step and cov_step may change")
-        _check_step_sizes(group["mean_step"], group["cov_step"])
-        group["mean_step"], group["cov_step"] = float(group["mean_step"]), float(group["cov_step"])
+                                 "fixed at construction (build a new FOOVB); only 'lr' (the mean step eta) and "
+                                 "'cov_step' may change")
+        _check_step_sizes(group["lr"], group["cov_step"], ("param_groups[0]['lr'] (mean_step)", "cov_step"))
+        group["lr"], group["cov_step"] = float(group["lr"]), float(group["cov_step"])
 
     # -- construction ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -251,7 +370,7 @@ class FOOVB(torch.optim.Optimizer):
                 if module.weight.requires_grad:
                     module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
                 if module.bias is not None and module.bias.requires_grad:
-                    if random_bias:  # only "bgd" draws: "paper" keeps the generator's stream of earlier versions
+                    if random_bias:
                         bias_std = math.sqrt(2.0 / (1 + fan_out))
                         module.bias.copy_(torch.randn(module.bias.shape, generator=self.generator) * bias_std)
                     else:
@@ -384,29 +503,63 @@ class FOOVB(torch.optim.Optimizer):
         if any(g.is_sparse for g in grads):
             raise ValueError("sparse gradients are not supported (e.g. nn.Embedding(sparse=True)); use dense ones")
 
-    def _grad_scale(self, batch_size: int | None) -> float:
+    def _refuse_accumulated_gradients(self) -> None:
+        """A step evaluates the batch's gradients at its own sampled networks: gradients already present (a
+        backward() outside the step, e.g. gradient accumulation) would be lost, so they are an error."""
+        grads = [p.grad for block in self.blocks for p in block.params if p.grad is not None]
+        if grads and any(bool(g.any()) for g in grads):
+            raise RuntimeError(
+                "gradients were already computed when step() was called (gradient accumulation, e.g. Lightning's "
+                "accumulate_grad_batches > 1, or a backward() outside the closure): FOO-VB evaluates each "
+                "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
+                "used. Use one batch per step (a larger batch instead of accumulation), and call "
+                "optimizer.zero_grad() before the first step if the model still holds gradients")
+
+    def _loss_scale(self, reduction: tuple[str, float] | None, batch_size: int | None) -> float:
+        """The factor that turns the loss's gradients into those of L_n, the batch's summed NLL."""
+        kind, terms = reduction if reduction is not None else ("no backward() seen by the optimizer", math.nan)
+        if batch_size is not None:
+            if kind == "sum":
+                raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum")
+            return float(batch_size)
         if self.loss_reduction == "sum":
-            if batch_size is not None:
-                raise ValueError("batch_size rescales a mean loss: it is used with loss_reduction='mean' only; "
-                                 "with 'sum' the closure must return the summed loss")
+            if kind == "mean":
+                raise ValueError(
+                    f"the loss is a mean over {terms:g} terms, but loss_reduction='sum' (the summed negative "
+                    "log-likelihood of the batch): use reduction='sum' in the loss, or loss_reduction='auto'")
             return 1.0
-        if batch_size is None or batch_size < 1:
-            raise ValueError("loss_reduction='mean' needs step(closure, batch_size=...) to rescale the "
-                             "gradients to the summed loss L_n")
-        return float(batch_size)
+        if kind == "mean":
+            return terms
+        if kind == "sum" and self.loss_reduction == "auto":
+            return 1.0
+        raise ValueError(
+            f"loss_reduction={self.loss_reduction!r} cannot tell how the loss was reduced over the batch (its last "
+            f"operation: {kind}). Pass FOOVB(..., loss_reduction='sum') if the loss is the batch's summed negative "
+            "log-likelihood (plus any regulariser), or loss_reduction='mean' with step(closure, batch_size=n) if "
+            "it is that sum divided by n")
 
     def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> float:
         """One FOO-VB step with K sequential Monte Carlo samples (one network in memory at a time).
 
         `closure` runs forward and backward on the model's current weights and returns the loss; it is called
-        K times, each time with a fresh sample loaded into the model. Returns the mean loss over the samples.
+        K times, each time with a fresh sample loaded into the model. `batch_size`: the loss is a mean over
+        this many terms (overrides what `loss_reduction` reads from the loss). Returns the mean loss over the
+        samples, as the closure returned it. Batch-norm running statistics are updated once, with the
+        average of the samples' batch statistics.
         """
         if closure is None:
             raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss")
+        if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if batch_size is not None and self.loss_reduction == "sum":
+            raise ValueError("batch_size rescales a mean loss: with loss_reduction='sum' the closure must return "
+                             "the summed loss")
         self._check_param_groups()
-        grad_scale = self._grad_scale(batch_size)
+        self._refuse_accumulated_gradients()
         seed = self._next_seed()
         stats = {block: block.new_statistics() for block in self.blocks}
+        running = _RunningStatistics(self.model)
+        grad_scale = None
         losses = []
         try:
             for k in self.sample_shard:
@@ -415,18 +568,30 @@ class FOOVB(torch.optim.Optimizer):
                 for block in self.blocks:
                     for p in block.params:
                         p.grad = None
+                running.restore()
                 with torch.enable_grad():
-                    loss = closure()
+                    if grad_scale is None:  # the batch is the same for every sample: read its scale once
+                        with _LossSpy() as spy:
+                            loss = closure()
+                    else:
+                        loss = closure()
                 if not isinstance(loss, Tensor):
                     raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                running.record()
                 losses.append(float(loss.detach()))
                 self._check_gradients()
+                if grad_scale is None:
+                    grad_scale = self._loss_scale(spy.reduction, batch_size)
                 with full_precision():
                     for block in self.blocks:
                         grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
                                  for p in block.params]
                         block.accumulate(stats[block], noises[block], grads)
         finally:
+            running.average()
+            for block in self.blocks:
+                for p in block.params:
+                    p.grad = None
             self.load_mean_into_model()
         return self._apply_update(stats, losses, self.mc_samples)
 
@@ -437,7 +602,8 @@ class FOOVB(torch.optim.Optimizer):
 
         Args:
             inputs, targets: the mini-batch (r rows).
-            loss_fn: loss_fn(outputs, targets) with the reduction declared in `loss_reduction`; it is applied
+            loss_fn: loss_fn(outputs, targets), reduced as `loss_reduction` says (read from the loss with
+                "auto"); it is applied
                 to the K stacked outputs (K r rows) and targets repeated K times. Default: cross-entropy.
             chunk_size: samples evaluated per pass (bounds memory to chunk_size networks); default all K.
         Returns the mean loss over the samples. Gives the same update as `step` for the same seed.
@@ -445,9 +611,11 @@ class FOOVB(torch.optim.Optimizer):
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
         self._check_param_groups()
+        self._refuse_accumulated_gradients()
         check_batched_support(self.blocks, self.model)
         if loss_fn is None:
-            loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=self.loss_reduction)  # noqa: E731
+            default_reduction = "mean" if self.loss_reduction == "mean" else "sum"
+            loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=default_reduction)  # noqa: E731
         rows = inputs.shape[0]
         if targets.shape[0] != rows:
             raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
@@ -470,13 +638,14 @@ class FOOVB(torch.optim.Optimizer):
                 with torch.enable_grad():
                     outputs = self.model(inputs)
                     loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
-                    # sum: d(sum_k L_k)/d theta_k = g_k; mean over c r rows: scale back to the summed loss
-                    grad_scale = 1.0 if self.loss_reduction == "sum" else float(c * rows)
+                    # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: scale back to the sum
+                    reduction = loss_reduction_of(loss)
+                    grad_scale = self._loss_scale(reduction, None)
                     loss.backward()
                 with full_precision():
                     network.accumulate(stats, grad_scale, shared_inputs)
             value = float(loss.detach())
-            per_sample = value / c if self.loss_reduction == "sum" else value
+            per_sample = value if reduction[0] == "mean" else value / c
             losses.extend([per_sample] * c)
         return self._apply_update(stats, losses, self.mc_samples)
 
@@ -520,13 +689,11 @@ class FOOVB(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
-        (checked before anything changes). mean_step and cov_step are taken from it, as torch optimizers do
-        with their learning rates. The tensors are copied."""
+        (checked before anything changes). The step sizes ("lr", the mean step, and "cov_step") are taken from
+        it, as torch optimizers do with their learning rates. The tensors are copied."""
         if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
             raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         state_dict = dict(state_dict)
-        if isinstance(state_dict["param_groups"], list):
-            state_dict["param_groups"] = [_upgrade_group(group) for group in state_dict["param_groups"]]
         self._check_loadable(state_dict)
         extra = state_dict.pop("foovb")
         super().load_state_dict(state_dict)
@@ -553,7 +720,7 @@ class FOOVB(torch.optim.Optimizer):
             details = ", ".join(f"{key}: saved {saved!r}, here {here!r}" for key, (saved, here) in changed.items())
             raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); "
                              "build the optimizer with the saved settings")
-        _check_step_sizes(groups[0]["mean_step"], groups[0]["cov_step"])
+        _check_step_sizes(groups[0].get("lr"), groups[0].get("cov_step"), ("lr (mean_step)", "cov_step"))
         index = {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}
         for block in self.blocks:
             saved = state_dict["state"].get(index[id(block.params[0])], {})

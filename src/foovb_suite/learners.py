@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foovb import FOOVB
+from foovb.optimizer import PRESETS
 from foovb.predict import Predictions, predict
-from foovb.validation import is_integer
+from foovb.validation import is_boolean, is_integer
 
 from .baselines import BASELINES, head_logits, make_baseline
 
@@ -38,37 +39,38 @@ class FOOVBLearner:
 
     Args:
         model: the network; trained in place (its parameters hold the posterior mean).
-        posterior, mc_samples, std_init, alpha, mean_step, cov_step: see `FOOVB`.
+        posterior, mc_samples, preset: see `FOOVB`.
         eval_samples: sampled networks used for the "bma" and "single" prediction modes (0: mean only).
         batched: evaluate the MC samples in one batched pass (`FOOVB.step_batched`) or sequentially.
         chunk_size: samples per batched pass (memory bound).
         num_heads, classes_per_head: multi-head (task-aware) models.
-        init: initialisation of the posterior ("paper", "bgd", "alpha" or "keep"): see `FOOVB`.
-        antithetic: draw the Monte Carlo samples in antithetic pairs: see `FOOVB`.
-        std_growth: whether the diagonal family's sigma may grow ("paper", "capped", "none"): see `FOOVB`.
-        cov_momentum: average of the diagonal family's E[g eps] over steps for its sigma update: see `FOOVB`.
         seed: seed of the optimizer's noise and initialisation.
+        **options: the optimizer's hyperparameters (std_init, alpha, mean_step, cov_step, antithetic,
+            std_growth, cov_momentum, init, max_full_params): see `FOOVB`; those not given take the preset's value.
     """
 
     name = "foovb"
 
-    def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10,
-                 std_init: float = 0.047, alpha: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0,
-                 eval_samples: int = 10, batched: bool = True, chunk_size: int | None = None, num_heads: int = 1,
-                 classes_per_head: int = 10, init: str = "paper", antithetic: bool = False, std_growth: str = "paper",
-                 cov_momentum: float = 0.0, seed: int = 0):
+    def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10, *,
+                 preset: str = "recommended", eval_samples: int = 10, batched: bool = True,
+                 chunk_size: int | None = None, num_heads: int = 1, classes_per_head: int = 10, seed: int = 0,
+                 **options: Any):
         if not is_integer(eval_samples) or eval_samples < 0:
             raise ValueError(f"eval_samples must be an integer >= 0, got {eval_samples!r}")
         if chunk_size is not None and (not is_integer(chunk_size) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
-        if not isinstance(batched, bool):
+        if not is_boolean(batched):
             raise ValueError(f"batched must be true or false, got {batched!r}")
+        unknown = sorted(set(options) - set(OPTIMIZER_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown FOO-VB hyperparameter(s) {', '.join(map(repr, unknown))}; known: "
+                             f"posterior, mc_samples, preset, {', '.join(OPTIMIZER_OPTIONS)}, eval_samples, "
+                             "batched, chunk_size")
         self.model = model
-        self.optimizer = FOOVB(model, posterior, mc_samples, std_init=std_init, alpha=alpha, mean_step=mean_step,
-                               cov_step=cov_step, loss_reduction="sum", init=init, antithetic=antithetic,
-                               std_growth=std_growth, cov_momentum=cov_momentum, seed=seed)
+        self.optimizer = FOOVB(model, posterior, mc_samples, preset=preset, loss_reduction="sum", seed=seed,
+                               **options)
         self.eval_samples = eval_samples
-        self.batched = batched
+        self.batched = bool(batched)
         self.chunk_size = chunk_size
         self.num_heads = num_heads
         self.classes_per_head = classes_per_head
@@ -111,6 +113,7 @@ class FOOVBLearner:
 
 
 LEARNERS = ("foovb", *BASELINES)
+OPTIMIZER_OPTIONS = tuple(PRESETS["paper"]["diagonal"])  # the hyperparameters a preset sets
 
 
 # Arguments with defaults that the runner sets itself (heads, seed), and the FOO-VB arguments that change how
@@ -119,12 +122,18 @@ _NOT_HYPERPARAMETERS = ("num_heads", "classes_per_head", "seed", "batched", "chu
 
 
 def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[str, Any]:
-    """`hyperparameters` completed with the defaults of learner `kind`, without the arguments that only say
-    how a step is computed (so that leaving a default out and setting it explicitly compare equal)."""
+    """`hyperparameters` completed with the defaults of learner `kind` (for FOO-VB: its preset's values), without
+    the arguments that only say how a step is computed (so that leaving a default out and setting it
+    explicitly compare equal)."""
     if kind not in LEARNERS:
         raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
     signature = inspect.signature(FOOVBLearner if kind == "foovb" else BASELINES[kind])
-    defaults = {name: p.default for name, p in signature.parameters.items() if p.default is not p.empty}
+    defaults = {name: p.default for name, p in signature.parameters.items()
+                if p.default is not p.empty and p.kind is not p.VAR_KEYWORD}
+    if kind == "foovb":
+        posterior = hyperparameters.get("posterior", defaults["posterior"])
+        preset = hyperparameters.get("preset", defaults["preset"])
+        defaults.update(PRESETS.get(preset, {}).get(posterior, {}))
     return {name: value for name, value in {**defaults, **hyperparameters}.items()
             if name not in _NOT_HYPERPARAMETERS}
 

@@ -1,0 +1,185 @@
+"""What a user combining FOOVB with standard PyTorch tools gets: the loss scale read from the loss (mean or sum),
+presets, a pretrained model kept, gradient accumulation refused, `lr` for schedulers, booleans, batch norm."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, all_equal, mlp, mlp_batch, params_snapshot, posterior_snapshot
+from torch import nn
+
+from foovb import FOOVB
+from foovb.optimizer import PRESETS, loss_reduction_of
+
+
+def _closure(model, loss_fn, detach=False):
+    def closure():
+        loss = loss_fn(model)
+        loss.backward()
+        return loss.detach().clone() if detach else loss  # Lightning's closure returns a detached copy
+
+    return closure
+
+
+X, Y = mlp_batch(rows=8)
+WEIGHT = torch.tensor([0.5, 1.0, 2.0])
+
+
+@pytest.mark.parametrize(("loss_fn", "kind", "terms"), [
+    (lambda out: F.cross_entropy(out, Y), "mean", 8),
+    (lambda out: F.cross_entropy(out, Y, reduction="sum"), "sum", 1),
+    (lambda out: F.cross_entropy(out, Y, weight=WEIGHT), "mean", float(WEIGHT[Y].sum())),
+    (lambda out: F.cross_entropy(out, torch.where(torch.arange(8) < 3, -100, Y)), "mean", 5),  # ignore_index
+    (lambda out: F.nll_loss(out.log_softmax(-1), Y), "mean", 8),
+    (lambda out: F.mse_loss(out, torch.zeros(8, 3)), "mean", 24),
+    (lambda out: F.binary_cross_entropy_with_logits(out, torch.ones(8, 3), reduction="sum"), "sum", 1),
+    (lambda out: out.square().mean(), "mean", 24),
+    (lambda out: out.square().sum(1).mean(), "mean", 8),
+    (lambda out: out.square().sum(), "sum", 1),
+    (lambda out: F.cross_entropy(out, Y) + 0.1 * out.square().sum(), "AddBackward0", math.nan),
+    (lambda out: F.cross_entropy(out, Y) / 1, "mean", 8),  # Lightning's division by accumulate_grad_batches=1
+    (lambda out: F.cross_entropy(out, Y) / 2, "DivBackward0", math.nan),  # a constant of the likelihood? unknown
+    (lambda out: 0.5 * out.square().sum(), "MulBackward0", math.nan),
+])
+def test_loss_reduction_is_read_from_the_loss(loss_fn, kind, terms):
+    found_kind, found_terms = loss_reduction_of(loss_fn(mlp()(X)))
+    assert found_kind == kind
+    assert found_terms == pytest.approx(terms, nan_ok=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_mean_loss_takes_the_same_step_as_the_summed_loss(family, detach):
+    """auto (the default): F.cross_entropy's mean, weighted or not, is rescaled to the summed NLL, also when the
+    closure returns a detached copy of the loss (as Lightning's does)."""
+    snapshots = []
+    for loss_fn in (lambda m: F.cross_entropy(m(X), Y, reduction="sum"), lambda m: F.cross_entropy(m(X), Y),
+                    lambda m: F.cross_entropy(m(X), Y, weight=WEIGHT) * 0 + F.cross_entropy(m(X), Y)):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        try:
+            opt.step(_closure(model, loss_fn, detach))
+        except ValueError as error:  # the third loss ends in an addition: auto cannot read it
+            assert "cannot tell" in str(error) and "loss_reduction='sum'" in str(error)
+            assert all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))  # nothing changed
+            continue
+        snapshots.append(posterior_snapshot(opt))
+    assert len(snapshots) == 2
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the weighted mean is rescaled by its total weight: the step of the weighted summed loss
+    steps = []
+    for reduction in ("sum", "mean"):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        opt.step(_closure(model, lambda m, r=reduction: F.cross_entropy(m(X), Y, weight=WEIGHT, reduction=r)))
+        steps.append(posterior_snapshot(opt))
+    for got, want in zip(steps[1], steps[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_batched_path_reads_the_reduction_too():
+    """step_batched's loss_fn sees K stacked batches: a mean over all their elements (MSE over 3 outputs) is
+    rescaled by K rows outputs, the same step as the summed loss."""
+    targets = torch.randn(8, 3)
+    snapshots = []
+    for reduction in ("sum", "mean"):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "kronecker", 4, seed=3)
+        opt.step_batched(X, targets, lambda out, t, r=reduction: F.mse_loss(out, t, reduction=r))
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_declared_reductions_that_contradict_the_loss_are_errors():
+    model = mlp()
+    with pytest.raises(ValueError, match="the loss is a mean over 8 terms, but loss_reduction='sum'"):
+        FOOVB(model, loss_reduction="sum").step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    with pytest.raises(ValueError, match="says the loss is a mean, but it is a sum"):
+        FOOVB(model, loss_reduction="mean").step(
+            _closure(model, lambda m: F.cross_entropy(m(X), Y, reduction="sum")), batch_size=8)
+    # a regularised mean with its batch size declared: the step of the regularised sum
+    snapshots = []
+    for reduction, batch_size in (("sum", None), ("mean", 8)):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, loss_reduction=reduction, seed=1)
+        scale = 1.0 if reduction == "sum" else 1.0 / 8
+        opt.step(_closure(model, lambda m, s=scale: s * (F.cross_entropy(m(X), Y, reduction="sum")
+                                                         + m[0].weight.square().sum())), batch_size=batch_size)
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_construction_keeps_a_pretrained_model_by_default(family):
+    model = mlp(seed=5)
+    before = params_snapshot(model)
+    opt = FOOVB(model, family)
+    assert all_equal(params_snapshot(model), before)
+    assert all_equal([opt.posterior(p).mean for p in model.parameters()], before)
+    FOOVB(model, family, preset="paper", seed=0)  # the paper's initialisation is one argument away
+    assert not all_equal(params_snapshot(model), before)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_presets_fill_what_is_not_given(family):
+    opt = FOOVB(mlp(), family)
+    recommended = PRESETS["recommended"][family]
+    group = opt.param_groups[0]
+    assert (group["lr"], group["cov_step"], group["antithetic"]) == (
+        recommended["mean_step"], recommended["cov_step"], recommended["antithetic"])
+    assert group["antithetic"] and (group["cov_step"] < 1 or family == "full")  # measured recipes, not the paper's
+    paper = FOOVB(mlp(), family, preset="paper", cov_step=0.5).param_groups[0]
+    assert (paper["lr"], paper["cov_step"], paper["antithetic"], paper["std_growth"]) == (1.0, 0.5, False, "paper")
+
+
+def test_gradient_accumulation_is_refused_and_a_step_leaves_no_gradient():
+    model = mlp()
+    opt = FOOVB(model)
+    closure = _closure(model, lambda m: F.cross_entropy(m(X), Y))
+    opt.step(closure)
+    assert all(p.grad is None for p in model.parameters())  # so the next step sees no stale gradients
+    F.cross_entropy(model(X), Y).backward()  # a batch accumulated outside the step
+    before = posterior_snapshot(opt)
+    with pytest.raises(RuntimeError, match="accumulate_grad_batches"):
+        opt.step(closure)
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        opt.step_batched(X, Y)
+    assert all_equal(posterior_snapshot(opt), before)
+    opt.zero_grad(set_to_none=False)  # zero gradients are no accumulation
+    opt.step(closure)
+
+
+def test_lr_schedulers_scale_the_mean_step():
+    """param_groups' "lr" is eta: a scheduler that halves it gives the step of an optimizer built with half."""
+    models = [mlp(seed=0), mlp(seed=0)]
+    opts = [FOOVB(models[0], "diagonal", 4, seed=2), FOOVB(models[1], "diagonal", 4, mean_step=0.35, seed=2)]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda epoch: 0.5)  # lr = 0.7 * 0.5 from the start
+    assert opts[0].mean_step == pytest.approx(0.35) and scheduler.get_last_lr() == [pytest.approx(0.35)]
+    for model, opt in zip(models, opts, strict=True):
+        opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    assert all_equal(posterior_snapshot(opts[0]), posterior_snapshot(opts[1]))
+    unscheduled = FOOVB(mlp(seed=0), "diagonal", 4, seed=2)
+    unscheduled.step(_closure(unscheduled.model, lambda m: F.cross_entropy(m(X), Y)))
+    assert not all_equal(posterior_snapshot(unscheduled), posterior_snapshot(opts[1]))
+
+
+def test_batch_norm_running_statistics_are_updated_once_with_the_samples_average():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
+    bn = model[1]
+    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3)
+    seen = []
+    hook = model[0].register_forward_hook(lambda module, inputs, out: seen.append(out.detach().clone()))
+    opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    hook.remove()
+    assert len(seen) == 4
+    momentum = bn.momentum
+    batch_means = torch.stack([out.mean(0) for out in seen])
+    batch_vars = torch.stack([out.var(0, unbiased=True) for out in seen])
+    torch.testing.assert_close(bn.running_mean, momentum * batch_means.mean(0))  # from 0
+    torch.testing.assert_close(bn.running_var, (1 - momentum) + momentum * batch_vars.mean(0))  # from 1
+    assert int(bn.num_batches_tracked) == 1
