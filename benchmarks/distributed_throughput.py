@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
                 dist.all_reduce(elapsed, dist.ReduceOp.MAX)
                 dist.all_reduce(cpu, dist.ReduceOp.SUM)
             results.append({"family": family, "mode": mode, "processes": world, "seconds": float(elapsed),
-                            "cpu_seconds": float(cpu), "bytes": getattr(optimizer, "all_reduce_bytes", 0)})
+                            "cpu_seconds": float(cpu), "bytes": getattr(optimizer.statistics_reducer, "bytes", 0)})
     if rank == 0:
         torch.save(results, Path(out_dir) / f"world{world}.pt")
     if world > 1:

@@ -87,7 +87,7 @@ def train(family: str, path: str, inputs: int, mode: str | None,
     views = [optimizer.posterior(p) for p in model.parameters()]
     return {"means": [v.mean.clone() for v in views], "stds": [v.std.clone() for v in views],
             "state": posterior_snapshot(optimizer), "losses": losses, "noises": noises,
-            "bytes": getattr(optimizer, "all_reduce_bytes", None)}
+            "bytes": optimizer.statistics_reducer.bytes if optimizer.statistics_reducer else None}
 
 
 def job_equivalence(rank: int) -> dict[str, Any]:
@@ -382,7 +382,7 @@ def test_distribute_needs_an_initialised_process_group(monkeypatch: pytest.Monke
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         init_from_env()
-    assert optimizer.process_group is None
+    assert optimizer.statistics_reducer is None
 
 
 def test_invalid_modes_raise(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ QUICK = {
     "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 1024,
                  "batch_size": 64},
     "model": {"kind": "mlp", "hidden": [32, 32]},
-    "learner": {"kind": "foovb", "params": {"posterior": "diagonal", "mc_samples": 4, "eval_samples": 4}},
+    "learner": {"kind": "foovb", "params": {"preset": "paper", "posterior": "diagonal", "mc_samples": 4,
+                                            "eval_samples": 4}},
     "evaluation": {"test_subset": 500},
     "checkpoint_every": 7,
     "device": "cpu",  # the same numbers on every machine; the GPU test below overrides it
@@ -530,7 +531,7 @@ def test_vision_mix_task_aware_lenet_end_to_end(tmp_path, monkeypatch) -> None:
                                        "batch_size": 16, "data_dir": str(tmp_path / "data"),
                                        "datasets": ["fashion_mnist", "notmnist"]},
         "model": {"kind": "lenet"},
-        "learner": {"kind": "foovb", "params": {"std_init": 0.02, "mc_samples": 3, "eval_samples": 2}},
+        "learner": {"kind": "foovb", "params": {"std_init": 0.02, "mc_samples": 4, "eval_samples": 2}},
     })
     summary = run(config, tmp_path / "run", progress=False)
     assert tasks == [0] * 24 + [1] * 24

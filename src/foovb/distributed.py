@@ -6,15 +6,15 @@ block's statistics, see `PosteriorBlock.accumulate`). Sums can be split over pro
 all-reduce, in two ways:
 
 * ``mode="mc"`` (MC-parallel): every process sees the same batch and evaluates a contiguous share of the K
-  sample indices (`FOOVB.sample_shard`); the statistics of the shares are summed.
+  sample indices (`AllReduce.samples`); the statistics of the shares are summed.
 * ``mode="data"`` (data-parallel): every process evaluates all K samples, with the same noise, on its own
   contiguous shard of the batch (`shard_batch`). L_n is a *sum* over rows, so the full batch's statistics are
   the sum of the shards' statistics (this needs ``loss_reduction`` "auto" or "sum").
 
-In both modes `all_reduce_statistics` (called by `FOOVB._apply_update` whenever `FOOVB.process_group` is set)
-sums the statistics and the per-sample losses with one all-reduce per dtype (one in practice; low-rank
-statistics add a tiny one that chooses how they travel), so every process applies the identical update,
-raises identically on NaN/Inf and returns the same mean loss.
+In both modes `distribute` gives the optimizer an `AllReduce` as its `statistics_reducer`; its `reduce`
+(`all_reduce_statistics`, called by `FOOVB._apply_update`) sums the statistics and the per-sample losses with
+one all-reduce per dtype (one in practice; low-rank statistics add a tiny one that chooses how they travel), so
+every process applies the identical update, raises identically on NaN/Inf and returns the same mean loss.
 
 Reproducibility: the noise of sample k of block b at a step is a pure function of (step seed, b, k)
 (`FOOVB.draw_noise`), and the step seeds come from `FOOVB.generator`, whose state `distribute` broadcasts from
@@ -28,6 +28,7 @@ import functools
 import hashlib
 import os
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -149,8 +150,8 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
 
     Call it on every process, after building the identical model and optimizer (and after loading a
     checkpoint, if any). It broadcasts the noise generator's state, the step counter and the posterior of the
-    group's first process, so all processes start identical, and then sets `optimizer.process_group`,
-    `optimizer.sample_shard` and `optimizer.distributed_mode`.
+    group's first process, so all processes start identical, and then sets `optimizer.statistics_reducer` to
+    an `AllReduce` over the group (its samples: this process's share of the K samples in MC mode).
 
     Args:
         mode: "mc" (every process gets the same batch and evaluates its share of the K samples; needs
@@ -186,9 +187,21 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     for tensor in state:
         _broadcast_(tensor, group)
     optimizer.load_mean_into_model()
-    optimizer.process_group = group
-    optimizer.sample_shard = shard
-    optimizer.distributed_mode = mode
+    optimizer.statistics_reducer = AllReduce(group, mode, shard)
+
+
+@dataclass
+class AllReduce:
+    """The optimizer's `StatisticsReducer` under torch.distributed: `all_reduce_statistics` over `group`."""
+
+    group: Any
+    mode: str
+    samples: range  # the sample indices this process evaluates
+    bytes: int = 0  # bytes all-reduced by the last step (statistics, losses and layouts)
+
+    def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
+               losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        return all_reduce_statistics(self, blocks, stats, num_samples, losses)
 
 
 def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...]:
@@ -254,8 +267,8 @@ def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
     return layouts
 
 
-def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], num_samples: int,
-                          losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict],
+                          num_samples: int, losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
     """Sum the Monte Carlo statistics and the per-sample losses over the processes.
 
     All statistics, with the losses, travel in one flat buffer per dtype and one all-reduce (one dtype in
@@ -264,7 +277,7 @@ def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], n
     factors, so the sum is the concatenation), otherwise dense (see `_low_rank_layouts`). Models with
     low-rank statistics (kronecker, full) add one tiny all-reduce that chooses.
 
-    `losses` holds this process's losses of the samples `optimizer.sample_shard`. They are placed at their
+    `losses` holds this process's losses of the samples `reducer.samples`. They are placed at their
     sample indices in a length-K vector before the sum, so the result is, per sample, the sample's loss (MC
     mode: one process evaluated it) or the sum of the shards' summed losses (data mode: the full batch's
     loss). The reduced losses (all K samples, the full batch) are returned, so that `step` / `step_batched`
@@ -273,17 +286,17 @@ def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], n
 
     Returns (reduced statistics, num_samples, losses), identical on every process. `num_samples` is
     unchanged: both modes sum over exactly K samples. Records the bytes it all-reduced (statistics, losses
-    and ranks) in `optimizer.all_reduce_bytes`.
+    and ranks) in `reducer.bytes`.
     """
-    group = optimizer.process_group
+    group = reducer.group
     rank = dist.get_rank(group)
-    shard = optimizer.sample_shard
+    shard = reducer.samples
     if len(losses) != len(shard):
         raise RuntimeError(f"{len(losses)} losses for the {len(shard)} samples of this process")
-    entries = [(block, key, value) for block in optimizer.blocks for key, value in stats[block].items()]
+    entries = [(block, key, value) for block in blocks for key, value in stats[block].items()]
     low_rank = [value for _, _, value in entries if isinstance(value, LowRank)]
     layouts = _low_rank_layouts(low_rank, group) if low_rank else []
-    optimizer.all_reduce_bytes = 16 * len(low_rank) * dist.get_world_size(group)
+    reducer.bytes = 16 * len(low_rank) * dist.get_world_size(group)
     pieces: list[Tensor] = []  # this process's contribution, entry by entry (stacked LowRank: left, right)
     layout_of = iter(layouts)
     for _, _, value in entries:
@@ -312,10 +325,10 @@ def all_reduce_statistics(optimizer: FOOVB, stats: dict[PosteriorBlock, dict], n
     for indices in positions.values():
         buffer = torch.cat([pieces[i].reshape(-1).to(device) for i in indices])
         dist.all_reduce(buffer, dist.ReduceOp.SUM, group=group)
-        optimizer.all_reduce_bytes += buffer.numel() * buffer.element_size()
+        reducer.bytes += buffer.numel() * buffer.element_size()
         for i, part in zip(indices, buffer.split([pieces[i].numel() for i in indices]), strict=True):
             reduced[i] = part.view(pieces[i].shape).to(pieces[i].device)
-    new_stats: dict[PosteriorBlock, dict] = {block: {} for block in optimizer.blocks}
+    new_stats: dict[PosteriorBlock, dict] = {block: {} for block in blocks}
     values, layout_of = iter(reduced), iter(layouts)
     for block, key, value in entries:
         layout = next(layout_of) if isinstance(value, LowRank) else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,18 @@ def loss_reduction_of(loss: Tensor) -> tuple[str, float]:
         total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
         return ("mean", float(total_weight) if total_weight is not None else float(node._saved_self.numel()))
     return (name, math.nan)
+
+
+class StatisticsReducer(Protocol):
+    """Combines the Monte Carlo statistics of the processes that train one posterior together
+    (`foovb.distributed.distribute` sets one on the optimizer)."""
+
+    samples: range  # the sample indices this process evaluates
+
+    def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
+               losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        """The statistics, sample count and per-sample losses summed over all processes."""
+        ...
 
 
 class _LossSpy(TorchFunctionMode):
@@ -315,10 +328,9 @@ class FOOVB(torch.optim.Optimizer):
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
         self.steps_taken = 0
-        self.process_group = None  # set by foovb.distributed.distribute
-        # The Monte Carlo sample indices this process evaluates: all of them, or a share under MC-parallel
-        # torch.distributed training (the update always averages over all mc_samples after the all-reduce).
-        self.sample_shard = range(int(mc_samples))
+        # How the statistics of a step are combined across processes: None (one process), or the object that
+        # foovb.distributed.distribute sets (its `samples` and `reduce`, see `StatisticsReducer`)
+        self.statistics_reducer: StatisticsReducer | None = None
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         init, alpha = settings["init"], float(settings["alpha"])
@@ -339,6 +351,12 @@ class FOOVB(torch.optim.Optimizer):
     antithetic = _fixed_setting("antithetic", "Whether the Monte Carlo samples come in pairs (eps, -eps).")
     std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
     cov_momentum = _fixed_setting("cov_momentum", "rho of the diagonal family's average of E[g eps] over steps.")
+    @property
+    def sample_shard(self) -> range:
+        """The Monte Carlo sample indices this process evaluates: all of them, or its share under MC-parallel
+        training (the update always averages over all mc_samples, after the reducer's sum)."""
+        return range(self.mc_samples) if self.statistics_reducer is None else self.statistics_reducer.samples
+
     # The step sizes, read from param_groups at every step (a schedule may change them there)
     mean_step = _step_size("lr", 'eta of the mean update mu <- mu - eta Sigma E[g] (param_groups[0]["lr"]).')
     cov_step = _step_size("cov_step", "beta, the multiplier of E[g eps^T] in the covariance update.")
@@ -654,10 +672,8 @@ class FOOVB(torch.optim.Optimizer):
         """All-reduce the statistics under torch.distributed, check them, then UPDATE every block.
 
         Returns the mean loss over all samples (of all processes)."""
-        if self.process_group is not None:
-            from .distributed import all_reduce_statistics
-
-            stats, num_samples, losses = all_reduce_statistics(self, stats, num_samples, losses)
+        if self.statistics_reducer is not None:
+            stats, num_samples, losses = self.statistics_reducer.reduce(self.blocks, stats, num_samples, losses)
 
         def pieces(block: PosteriorBlock) -> list[Tensor]:
             return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+import shlex
 import sys
 from importlib import resources
 from pathlib import Path
@@ -58,18 +59,37 @@ def _configs(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .runner import run
+    """Train one config; a diverging run exits with 1, Ctrl-C with 130 (each with one message, no traceback)."""
+    from .runner import TrainingDiverged, run
 
     config = load_config(config_path(args.config), args.set)
     run_dir = Path(args.out) if args.out else Path("runs") / config.name
-    summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    try:
+        summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+    except TrainingDiverged as error:
+        print(f"foovb: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as error:
+        print(_interrupted_message(str(error), args, run_dir), file=sys.stderr)
+        return 130
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     for mode, entry in summary["modes"].items():
         print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
               f"first task {entry['first_task_accuracy']:.4f}")
     print(f"outputs in {run_dir}")
+    print(f"model: foovb_suite.runner.load_model({str(run_dir)!r}) (learner: load_learner)")
     return 0
+
+
+def _interrupted_message(saved: str, args: argparse.Namespace, run_dir: Path) -> str:
+    """The line printed on Ctrl-C: what was saved, and the command that resumes from the run's checkpoint."""
+    message = "foovb: interrupted" + (f": {saved}" if saved else "")
+    if not (run_dir / "checkpoint.pt").is_file():
+        return message
+    command = ["foovb", "run", args.config, *(part for value in args.set for part in ("--set", value)),
+               "--out", str(run_dir), "--resume", *(["--no-progress"] if args.no_progress else [])]
+    return f"{message}; resume with: {shlex.join(command)}"
 
 
 def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> None:

@@ -7,26 +7,34 @@ Run directory layout:
     accuracy_matrix_<mode>.csv   rows: evaluations, columns: tasks
     summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware, device
     stds.npz                 posterior STDs at every evaluation (Bayesian learners)
-    checkpoint.pt            learner state + iteration + records (for --resume)
+    checkpoint.pt            learner state + iteration + records + STDs (for --resume, `load_learner` and
+                             `load_model`); tensors and plain Python values only: torch.load's default
+                             weights_only=True loads it
     plots/*.png              average accuracy, first-task accuracy, accuracy matrix, STD histograms, schedule
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import csv
 import json
+import math
 import os
 import platform
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import yaml
+from torch import nn
 
-from foovb import distributed
+from foovb import FOOVB, distributed
 
 from . import metrics, plots
 from .baselines import BASELINES
@@ -34,7 +42,8 @@ from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, confi
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
-__all__ = ["build_scenario", "run", "RunResult", "load_run", "resolve_device", "tasks_seen"]
+__all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
+           "load_run", "resolve_device", "tasks_seen"]
 
 RunResult = dict[str, Any]
 
@@ -186,6 +195,194 @@ def _summary(records: list[dict], ends: list[int], num_tasks: int) -> dict[str, 
     return out
 
 
+class TrainingDiverged(FloatingPointError):
+    """Training met non-finite values (a NaN/Inf loss or gradients). The message says where, what to change and
+    what was saved; `checkpoint_iteration`: the iteration of the checkpoint left in the run directory (None: none).
+
+    A learner that raises FloatingPointError refuses the step (FOO-VB leaves its posterior unchanged), so its
+    state is that of the iterations done and is checkpointed; a learner that returns a non-finite loss has taken the
+    step (a baseline's weights may already be NaN), so the last periodic checkpoint is kept as it was."""
+
+    def __init__(self, message: str, checkpoint_iteration: int | None):
+        super().__init__(message)
+        self.checkpoint_iteration = checkpoint_iteration
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run (a KeyboardInterrupt, so `except KeyboardInterrupt` still catches it); the message says
+    what was saved. `checkpoint_iteration`: where `--resume` continues (None: no checkpoint)."""
+
+    def __init__(self, message: str, checkpoint_iteration: int | None):
+        super().__init__(message)
+        self.checkpoint_iteration = checkpoint_iteration
+
+
+@contextlib.contextmanager
+def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], bool]]:
+    """Within the block, a first Ctrl-C (SIGINT) only sets a flag, returned as a function that the training loop
+    checks between iterations, so that no step or evaluation is cut in half; a second one raises KeyboardInterrupt
+    at once. Not `enabled` (distributed runs, whose processes could stop at different iterations), or outside the
+    main thread (where no signal handler can be set), Ctrl-C raises KeyboardInterrupt as usual."""
+    requested: list[bool] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if requested:
+            raise KeyboardInterrupt
+        requested.append(True)
+        os.write(2, b"\nfoovb: stopping after this iteration (Ctrl-C again: stop at once, keeping the last "
+                    b"checkpoint)\n")  # os.write: print could re-enter a write to stderr that the signal cut
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(requested)
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
+def _divergence_advice(learner: Learner) -> str:
+    """The config changes that make a diverging run stable, with the learner's current values."""
+    optimizer = getattr(learner, "optimizer", None)
+    if isinstance(optimizer, FOOVB):
+        group = optimizer.param_groups[0]
+        changes = [f"a larger learner.params.mc_samples (now {group['mc_samples']}; at least 4)"]
+        if group.get("posterior") == "diagonal" and group.get("std_growth") == "paper":
+            changes.append("learner.params.std_growth=none or capped (now paper)")
+        if group.get("std_init") is not None:
+            changes.append(f"a smaller learner.params.std_init (now {group['std_init']:g})")
+        if not group.get("antithetic"):
+            changes.append("learner.params.antithetic=true")
+    elif optimizer is not None and "lr" in optimizer.param_groups[0]:
+        changes = [f"a smaller learner.params.lr (now {optimizer.param_groups[0]['lr']:g})"]
+    else:
+        changes = ["other learner.params"]
+    return f"try, in a new run directory (another --out): {', '.join(changes)}"
+
+
+def _load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint written by `_TrainingLoop.save`, loaded with torch.load's weights_only=True (it holds tensors
+    and plain Python values only), the STDs back as numpy arrays."""
+    state = torch.load(path, map_location="cpu", weights_only=True)  # load_state_dict places the tensors
+    state["stds"] = {key: value.numpy() for key, value in state["stds"].items()}
+    return state
+
+
+class _TrainingLoop:
+    """The iterations of a run from `start`: observe, evaluate at the scenario's eval points, checkpoint (at the
+    evaluations and every `checkpoint_every` iterations), and stop cleanly on divergence and Ctrl-C."""
+
+    def __init__(self, config: Config, scenario, learner: Learner, device: torch.device, checkpoint_path: Path,
+                 main_process: bool, state: dict[str, Any] | None):
+        self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
+        self.checkpoint_path, self.main_process = checkpoint_path, main_process
+        self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
+        state = state or {"iteration": 0, "records": [], "train_seconds": 0.0, "stds": {}}
+        self.start: int = state["iteration"]
+        self.records: list[dict] = state["records"]
+        self.train_seconds: float = state["train_seconds"]
+        self.stds: dict[str, np.ndarray] = state["stds"]
+        self.evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
+        self.ends = task_ends(config, scenario)
+        self.eval_points = set(scenario.eval_points)
+        self.tic = time.perf_counter()
+
+    def save(self, iteration: int) -> None:
+        """Checkpoint the learner after `iteration` iterations, with the records and STDs so far (tensors and plain
+        Python values only: torch.load's default weights_only=True loads it)."""
+        self.train_seconds += time.perf_counter() - self.tic
+        if self.main_process:
+            stds = {key: torch.from_numpy(value) for key, value in self.stds.items()}
+            _atomic_save({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
+                          "train_seconds": self.train_seconds, "stds": stds}, self.checkpoint_path)
+            self.saved_at = iteration
+        self.tic = time.perf_counter()
+
+    def train(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
+        """Train to the end (returns None) or to `stop_after` iterations (returns it, checkpointed). Raises
+        `TrainingDiverged` and, on Ctrl-C, `RunInterrupted` (checkpointed after the last completed iteration
+        unless a second Ctrl-C stopped it at once)."""
+        try:
+            return self._iterate(bar, stop_after, interrupt_requested)
+        except RunInterrupted:
+            raise
+        except KeyboardInterrupt as error:
+            raise RunInterrupted(self._kept_checkpoint(), self.saved_at) from error
+
+    def _iterate(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
+        running_loss, last_average = None, _average_so_far(self.records[-1]) if self.records else float("nan")
+        for iteration, batch in self.scenario.batches(self.start):
+            loss = self._observe(iteration, batch)
+            running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
+            done = iteration + 1
+            if bar is not None:
+                bar.update(1)
+                if done % 50 == 0:  # refresh=False: the bar redraws at its own interval (once a minute in a log)
+                    bar.set_postfix(task=int(batch.task.float().mean().round()), loss=f"{running_loss:.3f}",
+                                    avg_acc="-" if np.isnan(last_average) else f"{last_average:.4f}", refresh=False)
+            if done in self.eval_points:
+                last_average = _average_so_far(self._evaluate(done))
+                self.save(done)
+            elif done % self.config.checkpoint_every == 0:
+                self.save(done)
+            stop = stop_after is not None and done >= stop_after
+            if stop or interrupt_requested():
+                if self.saved_at != done:
+                    self.save(done)
+                if stop:
+                    return done
+                raise RunInterrupted(f"saved a checkpoint after {done} of {self.scenario.num_iterations} iterations "
+                                     f"in {self.checkpoint_path}", done)
+        return None
+
+    def _observe(self, iteration: int, batch) -> float:
+        """One training step on `batch`; non-finite values raise `TrainingDiverged`."""
+        task = None
+        if self.scenario.task_aware:
+            task = int(batch.task[0])
+            if not bool((batch.task == task).all()):
+                raise ValueError("a task-aware learner got a batch mixing several tasks (e.g. the joint oracle of "
+                                 "the vision mix): per-sample task heads are not supported")
+        try:
+            loss = self.learner.observe(batch.x.to(self.device), batch.y.to(self.device), task)
+        except FloatingPointError as error:  # the step was refused: the learner is as after `iteration` iterations
+            self.save(iteration)
+            run_dir = str(self.checkpoint_path.parent)
+            saved = (f"the state after {iteration} iterations is saved in {self.checkpoint_path} (the failed step "
+                     f"changed nothing): foovb_suite.runner.load_learner({run_dir!r}) inspects it; --resume retries "
+                     "from it, with new noise")
+            raise self._diverged(iteration, str(error), saved) from error
+        if not math.isfinite(loss):  # the step was taken: keep the last checkpoint as it is
+            raise self._diverged(iteration, f"the loss is {loss}", self._kept_checkpoint()
+                                 + (" (--resume repeats the same steps)" if self.saved_at is not None else ""))
+        return loss
+
+    def _diverged(self, iteration: int, cause: str, saved: str) -> TrainingDiverged:
+        task = min(bisect.bisect_right(self.ends, iteration), self.scenario.num_tasks - 1)
+        what = (f"training diverged after {iteration} of {self.scenario.num_iterations} iterations (task {task + 1} "
+                f"of {self.scenario.num_tasks}): {cause}")
+        return TrainingDiverged("\n  ".join([what, _divergence_advice(self.learner), saved]), self.saved_at)
+
+    def _kept_checkpoint(self) -> str:
+        if self.saved_at is None:
+            return "no checkpoint had been written yet (nothing to resume)"
+        return (f"the last checkpoint, after {self.saved_at} of {self.scenario.num_iterations} iterations, is kept "
+                f"in {self.checkpoint_path}")
+
+    def _evaluate(self, done: int) -> dict[str, Any]:
+        """Evaluate every task after `done` iterations; append the record (and the posterior STDs)."""
+        self.train_seconds += time.perf_counter() - self.tic
+        stage = min(bisect.bisect_left(self.ends, done), self.scenario.num_tasks - 1)
+        record = {"iteration": done, "stage": stage, **self.evaluator(self.learner, self.scenario.task_aware),
+                  "train_seconds": self.train_seconds}
+        self.records.append(record)
+        if self.config.evaluation.histograms and hasattr(self.learner, "posterior_std"):
+            self.stds[f"iteration_{done}"] = self.learner.posterior_std()
+        self.tic = time.perf_counter()
+        return record
+
+
 def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
         stop_after: int | None = None) -> RunResult:
     """Train and evaluate as the config says, writing everything to `run_dir`.
@@ -195,6 +392,11 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         progress: show a tqdm progress bar.
         stop_after: stop after this many iterations (simulates an interruption; for tests).
     Returns the summary (also in summary.json).
+    Raises:
+        TrainingDiverged: on a NaN/Inf loss or gradients; the message says what to change and what was saved.
+        RunInterrupted: on Ctrl-C. The first Ctrl-C lets the current iteration (and its evaluation) finish and
+            checkpoints it, so that `resume` continues as if uninterrupted; a second one stops at once, keeping
+            the last checkpoint.
     """
     run_dir = Path(run_dir)
     device = resolve_device(config.device)
@@ -224,76 +426,32 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         if set(changed) - set(EXECUTION_KEYS):
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
                               f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
-    records: list[dict] = []
-    stds: dict[str, np.ndarray] = {}
-    start, train_seconds = 0, 0.0
-    if resume:
-        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)  # load_state_dict places it
+    state = _load_checkpoint(checkpoint_path) if resume else None
+    if state is not None:
         learner.load_state_dict(state["learner"])
-        start, records, train_seconds, stds = state["iteration"], state["records"], state["train_seconds"], state[
-            "stds"]
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
         distributed.distribute(learner.optimizer, "mc")
     if main_process:
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
-    ends = task_ends(config, scenario)
-    eval_points = set(scenario.eval_points)
-
-    def save_checkpoint(iteration: int) -> None:
-        if main_process:
-            _atomic_save({"learner": learner.state_dict(), "iteration": iteration, "records": records,
-                          "train_seconds": train_seconds, "stds": stds}, checkpoint_path)
-
+    loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state)
     bar = None
     if progress and main_process:
         import sys
 
         from tqdm import tqdm
 
-        bar = tqdm(total=scenario.num_iterations, initial=start, desc=config.name, unit="it", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 60.0)
-    running_loss = None
-    last_average = _average_so_far(records[-1]) if records else float("nan")
-    tic = time.perf_counter()
-    for iteration, batch in scenario.batches(start):
-        task = None
-        if scenario.task_aware:
-            task = int(batch.task[0])
-            if not bool((batch.task == task).all()):
-                raise ValueError("a task-aware learner got a batch mixing several tasks (e.g. the joint oracle of "
-                                 "the vision mix): per-sample task heads are not supported")
-        loss = learner.observe(batch.x.to(device), batch.y.to(device), task)
-        running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
-        done = iteration + 1
+        bar = tqdm(total=scenario.num_iterations, initial=loop.start, desc=config.name, unit="it",
+                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 60.0)
+    try:
+        with _deferred_interrupt(enabled=not distributed_run) as interrupt_requested:
+            stopped_at = loop.train(bar, stop_after, interrupt_requested)
+    finally:
         if bar is not None:
-            bar.update(1)
-            if done % 50 == 0:  # refresh=False: the bar redraws at its own interval (once a minute in a log)
-                bar.set_postfix(task=int(batch.task.float().mean().round()), loss=f"{running_loss:.3f}",
-                                avg_acc="-" if np.isnan(last_average) else f"{last_average:.4f}", refresh=False)
-        if done in eval_points:
-            train_seconds += time.perf_counter() - tic
-            stage = min(bisect.bisect_left(ends, done), scenario.num_tasks - 1)
-            record = {"iteration": done, "stage": stage, **evaluator(learner, scenario.task_aware),
-                      "train_seconds": train_seconds}
-            records.append(record)
-            last_average = _average_so_far(record)
-            if config.evaluation.histograms and hasattr(learner, "posterior_std"):
-                stds[f"iteration_{done}"] = learner.posterior_std()
-            save_checkpoint(done)
-            tic = time.perf_counter()
-        elif done % config.checkpoint_every == 0:
-            train_seconds += time.perf_counter() - tic
-            save_checkpoint(done)
-            tic = time.perf_counter()
-        if stop_after is not None and done >= stop_after:
-            if bar is not None:
-                bar.close()
-            save_checkpoint(done)
-            return {"interrupted_at": done}
-    if bar is not None:
-        bar.close()
+            bar.close()
+    if stopped_at is not None:
+        return {"interrupted_at": stopped_at}
+    records, stds, train_seconds, ends = loop.records, loop.stds, loop.train_seconds, loop.ends
     summary = {
         "name": config.name,
         "learner": getattr(learner, "name", config.learner.kind),
@@ -388,3 +546,26 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {"dir": run_dir, "summary": json.loads(summary_path.read_text()), "records": records,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text())}
+
+
+def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Learner:
+    """The learner of a run directory as its checkpoint holds it (a finished run's: the end of training), on
+    `device`; FOO-VB's with its posterior, e.g. for `foovb.predict.predict(learner.optimizer, x, 10)`. Works on
+    unfinished (interrupted, diverged) runs too. It builds the run's scenario for the model's shapes: MNIST loads in
+    about a second; the vision mix needs its data directory. The global random state is left as it was."""
+    run_dir = Path(run_dir)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {checkpoint_path.name} (not a run directory, or a run stopped "
+                                "before its first checkpoint)")
+    config = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    with torch.random.fork_rng(devices=[]):  # build_learner seeds the model's initialisation
+        learner = build_learner(config, build_scenario(config), resolve_device(str(device)))
+    learner.load_state_dict(_load_checkpoint(checkpoint_path)["learner"])
+    return learner
+
+
+def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The trained network of a run directory (`load_learner`'s model) in eval mode: its weights are the final
+    ones, FOO-VB's the posterior mean. A multi-head (task-aware) model returns every head's logits, concatenated."""
+    return load_learner(run_dir, device).model.eval()

@@ -1,0 +1,192 @@
+"""The matrix-variate family on nn.Conv2d (issue 28): the conv block's samples and update statistics against a
+direct computation (im2col: a convolution is W_mat @ [unfold(x); 1]), on both Monte Carlo paths, and a
+real-data check that a small matrix-variate CNN learns MNIST.
+
+Background (issue 28): a convolution's gradient sums over batch x output positions, so with independent
+samples the noise term g(mu) mean(eps)^T of E[g eps^T] and the curvature of the conv layers are large; with the
+paper's beta = 1 the covariance collapses along the gradient direction within a few steps and the mean stops
+moving. Antithetic pairs (which cancel that term) and beta = 0.1 keep it learning."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_generator, random_sqrt
+from torch import nn
+
+from foovb import FOOVB, solve_fixed_point
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+F64 = torch.float64
+
+CONVS = {
+    "bias": dict(in_channels=3, out_channels=4, kernel_size=(2, 3)),
+    "no-bias-strided": dict(in_channels=2, out_channels=5, kernel_size=3, stride=2, padding=1, bias=False),
+    "dilated": dict(in_channels=2, out_channels=3, kernel_size=(3, 2), dilation=(2, 1), padding=(1, 0)),
+}
+
+
+def make_conv(spec: str) -> nn.Conv2d:
+    torch.manual_seed(0)
+    return nn.Conv2d(**CONVS[spec]).double()
+
+
+def randomize(block, gen):
+    """Non-symmetric, non-diagonal factors and a random mean, so that rows/columns and A/A^T are told apart."""
+    st = block.state
+    st["mean"].copy_(torch.randn(st["mean"].shape, generator=gen, dtype=F64))
+    for key in ("input_sqrt_cov", "output_sqrt_cov"):
+        st[key] = 0.5 * random_sqrt(st[key].shape[0], gen)
+
+
+def im2col(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """(r, n, L): every output position's input patch, channel-major as the weight's (in, kh, kw) flattening,
+    with a row of ones for the bias column."""
+    cols = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    return torch.cat([cols, torch.ones_like(cols[:, :1])], 1) if conv.bias is not None else cols
+
+
+def direct_weight(conv: nn.Conv2d, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W[o, c, i, j] = W_mat[o, (c kh + i) kw + j], bias[o] = W_mat[o, n_in], element by element."""
+    out_c, in_c, kh, kw = conv.weight.shape
+    weight = torch.empty(out_c, in_c, kh, kw, dtype=matrix.dtype)
+    for o in range(out_c):
+        for c in range(in_c):
+            for i in range(kh):
+                for j in range(kw):
+                    weight[o, c, i, j] = matrix[o, (c * kh + i) * kw + j]
+    return weight, (matrix[:, in_c * kh * kw].clone() if conv.bias is not None else None)
+
+
+@pytest.mark.parametrize("spec", CONVS)
+def test_conv_block_samples_match_direct_formula(spec):
+    """TRANSFORM for a conv: W = M + B Phi A^T (p x n), laid out as the conv's weight and bias; the network
+    loaded with that sample computes W_mat @ [unfold(x); 1]."""
+    conv = make_conv(spec)
+    opt = FOOVB(conv, "kronecker", 3, init="keep", loss_reduction="sum", antithetic=False,
+                cov_step=1.0, mean_step=1.0, seed=0)
+    (block,) = opt.blocks
+    gen = make_generator(1)
+    randomize(block, gen)
+    p, n = block.state["mean"].shape
+    assert (p, n) == (conv.out_channels, conv.weight[0].numel() + (conv.bias is not None))
+    noise = torch.randn(3, p, n, generator=gen, dtype=F64)
+    a, b, m = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"], block.state["mean"]
+    samples = block.sample(noise)
+    x = torch.randn(2, conv.in_channels, 7, 6, generator=gen, dtype=F64)
+    for k in range(3):
+        matrix = m + b @ noise[k] @ a.T
+        weight, bias = direct_weight(conv, matrix)
+        torch.testing.assert_close(samples[0][k], weight, rtol=0, atol=1e-12)
+        if bias is not None:
+            torch.testing.assert_close(samples[1][k], bias, rtol=0, atol=1e-12)
+        with torch.no_grad():
+            out = F.conv2d(x, samples[0][k], samples[1][k] if bias is not None else None, conv.stride,
+                           conv.padding, conv.dilation)
+        expected = (matrix @ im2col(conv, x)).reshape(out.shape)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    # join inverts split, and the posterior view reads Var(W_ij) = Sigma2_ii Sigma1_jj
+    torch.testing.assert_close(block.join(samples), torch.stack([m + b @ f @ a.T for f in noise]))
+    variance = torch.outer((b @ b.T).diagonal(), (a @ a.T).diagonal())
+    torch.testing.assert_close(opt.posterior(conv.weight).std, direct_weight(conv, variance.sqrt())[0])
+
+
+@pytest.mark.parametrize("path", ["sequential", "batched"])
+@pytest.mark.parametrize("spec", CONVS)
+def test_conv_update_matches_im2col_statistics(spec, path):
+    """One step on L = 1/2 ||conv(x) - T||^2 (summed): rebuild eps_k from the step's noise stream, compute each
+    sample's gradient Psi_k = sum_rows Delta_r X_r^T from im2col (not autograd), and the paper's update:
+    M <- M - B B^T E1 A A^T, Sigma_1 <- Lemma 2 with E2 = mean Psi^T B Phi / p, Sigma_2 with E3 = mean Psi A
+    Phi^T / n. Covers the weight reshape, the bias column and both Monte Carlo paths."""
+    conv = make_conv(spec)
+    k_samples = 4
+    opt = FOOVB(conv, "kronecker", k_samples, init="keep", loss_reduction="sum", antithetic=False,
+                cov_step=1.0, mean_step=1.0, seed=3)
+    (block,) = opt.blocks
+    gen = make_generator(2)
+    randomize(block, gen)
+    opt.load_mean_into_model()
+    x = torch.randn(3, conv.in_channels, 6, 7, generator=gen, dtype=F64)
+    with torch.no_grad():
+        target = torch.randn_like(conv(x))
+    m, a, b = (block.state[k].clone() for k in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
+    # the step's seed is the next draw of the optimizer's generator (FOOVB._next_seed)
+    probe = torch.Generator()
+    probe.set_state(opt.generator.get_state())
+    seed = int(torch.randint(2**62, (1,), generator=probe).item())
+    phi = opt.draw_noise(seed, range(k_samples))[block]
+
+    def loss_fn(out, t):
+        return 0.5 * (out - t).square().sum()
+
+    if path == "sequential":
+        def closure():
+            loss = loss_fn(conv(x), target)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    else:
+        opt.step_batched(x, target, loss_fn)
+
+    cols = im2col(conv, x)  # (r, n, L)
+    p, n = m.shape
+    psi = []
+    for f in phi:
+        w = m + b @ f @ a.T
+        delta = w @ cols - target.flatten(2)  # (r, p, L)
+        psi.append(torch.einsum("rpl,rnl->pn", delta, cols))
+    e1 = sum(psi) / k_samples
+    e2 = sum(ps.T @ b @ f for ps, f in zip(psi, phi, strict=True)) / (p * k_samples)
+    e3 = sum(ps @ a @ f.T for ps, f in zip(psi, phi, strict=True)) / (n * k_samples)
+    torch.testing.assert_close(block.state["mean"], m - b @ b.T @ e1 @ a @ a.T, rtol=1e-10, atol=1e-11)
+    x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
+    new_a, new_b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
+    torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=1e-9, atol=1e-11)
+    weight, bias = direct_weight(conv, block.state["mean"])
+    torch.testing.assert_close(conv.weight.detach(), weight, rtol=0, atol=1e-12)
+    if bias is not None:
+        torch.testing.assert_close(conv.bias.detach(), bias, rtol=0, atol=1e-12)
+
+
+def _mnist_cnn_accuracy(steps: int = 100, batch: int = 64, **options) -> float:
+    data = pytest.importorskip("foovb_suite.data")
+    try:
+        mnist = data.load_mnist()
+    except Exception as error:  # noqa: BLE001 - no offline copy of MNIST here
+        pytest.skip(f"MNIST not available: {error}")
+
+    def prep(images):
+        return ((torch.as_tensor(images[:]).float() / 255 - data.MNIST_MEAN) / data.MNIST_STD)[:, None]
+
+    rows = steps * batch
+    x, y = prep(mnist.train_images[:rows]), torch.as_tensor(mnist.train_labels[:rows]).long()
+    x_test, y_test = prep(mnist.test_images[:1000]), torch.as_tensor(mnist.test_labels[:1000]).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 5, stride=2), nn.ReLU(), nn.Conv2d(8, 16, 5, stride=2), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(256, 10))
+    opt = FOOVB(model, "kronecker", loss_reduction="sum", **options)
+    for i in range(steps):
+        xb, yb = x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+
+        def closure(xb=xb, yb=yb):
+            loss = F.cross_entropy(model(xb), yb, reduction="sum")
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    with torch.no_grad():
+        return (model(x_test).argmax(1) == y_test).float().mean().item()
+
+
+def test_matrix_variate_cnn_learns_mnist():
+    """100 steps of 64 images (a ninth of an epoch), K = 4: the recommended matrix-variate settings reach
+    ~0.92 test accuracy on 1000 test images (chance 0.1). With the paper's settings (independent samples,
+    beta = 1) the same run reaches ~0.55 and with antithetic pairs alone ~0.72 (issue 28): the covariance of the
+    conv layers collapses along the gradient direction."""
+    accuracy = _mnist_cnn_accuracy(mc_samples=4, antithetic=True, cov_step=0.1, init="keep", alpha=0.5, seed=0)
+    assert accuracy > 0.8, accuracy
+    assert math.isfinite(accuracy)

@@ -1,0 +1,253 @@
+"""Getting a run back: a diverging run stops with advice and a checkpoint, Ctrl-C saves one and exits with 130, the
+checkpoint loads with torch.load's default weights_only=True, and the trained model/learner load from a run
+directory."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from foovb.predict import predict
+from foovb_suite import plots, runner
+from foovb_suite.cli import main
+from foovb_suite.config import config_from_dict
+from foovb_suite.runner import load_learner, load_model, run
+
+# 10 iterations per task, 2 tasks: evaluations after 10 and 20 iterations, periodic checkpoints after 7 and 14
+TINY = {
+    "name": "tiny",
+    "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 640,
+                 "batch_size": 64},
+    "model": {"kind": "mlp", "hidden": [16, 16]},
+    "learner": {"kind": "foovb", "params": {"mc_samples": 4, "eval_samples": 4}},
+    "evaluation": {"test_subset": 300},
+    "checkpoint_every": 7,
+    "device": "cpu",
+}
+# FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
+DIVERGING_FOOVB = ["learner.params.std_init=1.0", "learner.params.std_growth=paper", "learner.params.antithetic=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_plots():
+    """The runs of this file draw no plots (the slowest part of their outputs; tests/test_runner.py checks them)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in dir(plots):
+            if name.startswith("plot_"):
+                patch.setattr(plots, name, lambda *args, **kwargs: None)
+        yield
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, no_plots):
+    """The directory of the tiny run without interruption."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "r"
+    run(config_from_dict(TINY), run_dir, progress=False)
+    return run_dir
+
+
+def _modes(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())["modes"]
+
+
+def _cli_run(config_file, out, *options: str) -> int:
+    sets = [part for option in options for part in ("--set", option) if not option.startswith("--")]
+    return main(["run", str(config_file), *sets, "--out", str(out), "--no-progress",
+                 *(option for option in options if option.startswith("--"))])
+
+
+def _patch_observe(monkeypatch, at_call: int, action) -> None:
+    """The learners that `run` builds from now on call `action(learner)` at their `at_call`-th observe (0-based;
+    in a fresh run, the iteration), before the step, and take the step if it returns None, else return its value."""
+    build = runner.build_learner
+
+    def build_and_patch(config, scenario, device):
+        learner = build(config, scenario, device)
+        observe, calls = learner.observe, []
+
+        def patched(x, y, task=None):
+            calls.append(None)
+            result = action(learner) if len(calls) - 1 == at_call else None
+            return observe(x, y, task) if result is None else result
+
+        learner.observe = patched
+        return learner
+
+    monkeypatch.setattr(runner, "build_learner", build_and_patch)
+
+
+def _raise(error: BaseException):
+    def action(learner):
+        raise error
+
+    return action
+
+
+def _checkpoint_iteration(run_dir) -> int:
+    return torch.load(run_dir / "checkpoint.pt")["iteration"]  # weights_only=True, torch.load's default
+
+
+def test_a_diverging_foovb_run_stops_with_advice_and_keeps_its_last_good_state(config_file, tmp_path, capsys) -> None:
+    out = tmp_path / "diverged"
+    assert _cli_run(config_file, out, *DIVERGING_FOOVB) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith("foovb: error: training diverged after ")
+    assert "non-finite values in the gradients" in err and "the posterior was left unchanged" in err
+    for advice in ("a larger learner.params.mc_samples (now 4; at least 4)", "std_growth=none or capped",
+                   "a smaller learner.params.std_init (now 1)", "antithetic=true", "another --out"):
+        assert advice in err
+    failed_at = _checkpoint_iteration(out)
+    assert f"after {failed_at} of 20 iterations (task 1 of 2)" in err
+    assert f"the state after {failed_at} iterations is saved in {out / 'checkpoint.pt'}" in err
+    assert f"load_learner({str(out)!r})" in err and "--resume retries from it" in err
+    # the failed step changed nothing: the checkpoint's posterior is that of a run stopped before it (NaN where the
+    # steps before it already overflowed)
+    reference = tmp_path / "reference"
+    config = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    assert run(config, reference, progress=False, stop_after=failed_at) == {"interrupted_at": failed_at}
+    saved, expected = (torch.load(d / "checkpoint.pt")["learner"]["optimizer"]["state"] for d in (out, reference))
+    for index, state in expected.items():
+        for key, value in state.items():
+            torch.testing.assert_close(saved[index][key], value, rtol=0, atol=0, equal_nan=True)
+    # --resume retries from there with new noise (and diverges again, later or at the same iteration)
+    assert _cli_run(config_file, out, *DIVERGING_FOOVB, "--resume") in (0, 1)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert _checkpoint_iteration(out) >= failed_at
+
+
+def test_a_refused_step_leaves_a_checkpoint_that_resumes_exactly(config_file, tmp_path, capsys, monkeypatch,
+                                                                uninterrupted) -> None:
+    """A step refused as non-finite after 13 iterations (past the evaluation at 10 and the checkpoint at 7): the
+    checkpoint holds the learner, the records and the STDs after 13, and the resumed run ends as an uninterrupted
+    one."""
+    out = tmp_path / "r"
+    with monkeypatch.context() as patch:
+        _patch_observe(patch, 13, _raise(FloatingPointError("non-finite values in the loss at step 13")))
+        assert _cli_run(config_file, out) == 1
+    err = capsys.readouterr().err
+    assert "training diverged after 13 of 20 iterations (task 2 of 2): non-finite values in the loss" in err
+    assert _checkpoint_iteration(out) == 13
+    assert _cli_run(config_file, out, "--resume") == 0
+    assert capsys.readouterr().out.endswith(f"outputs in {out}\nmodel: foovb_suite.runner.load_model({str(out)!r}) "
+                                            "(learner: load_learner)\n")
+    assert _modes(out) == _modes(uninterrupted)
+
+
+def test_a_nan_loss_keeps_the_last_checkpoint_and_advises_a_smaller_learning_rate(config_file, tmp_path,
+                                                                                   capsys, monkeypatch) -> None:
+    # a real baseline divergence, before the first checkpoint
+    out = tmp_path / "sgd"
+    assert _cli_run(config_file, out, "learner.kind=sgd", "learner.params={lr: 10000}") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "(task 1 of 2): the loss is nan" in err
+    assert "a smaller learner.params.lr (now 10000)" in err
+    assert "no checkpoint had been written yet (nothing to resume)" in err
+    assert not (out / "checkpoint.pt").exists()
+    # a learner that took the step and returned a NaN loss: the checkpoint after 7 iterations stays as it was
+    out = tmp_path / "nan"
+    _patch_observe(monkeypatch, 9, lambda learner: float("nan"))
+    assert _cli_run(config_file, out) == 1
+    err = capsys.readouterr().err
+    assert "training diverged after 9 of 20 iterations (task 1 of 2): the loss is nan" in err
+    assert f"the last checkpoint, after 7 of 20 iterations, is kept in {out / 'checkpoint.pt'}" in err
+    assert _checkpoint_iteration(out) == 7
+
+
+def _ctrl_c(times: int):
+    def action(learner):
+        for _ in range(times):
+            signal.raise_signal(signal.SIGINT)  # its Python handler runs before raise_signal returns
+
+    return action
+
+
+@pytest.mark.parametrize(("times", "saved_at", "saved"), [
+    (1, 12, "saved a checkpoint after 12 of 20 iterations in "),  # the iteration under way finishes, is saved
+    (2, 10, "the last checkpoint, after 10 of 20 iterations, is kept in "),  # a second one stops at once:
+    # the last checkpoint is the evaluation's
+])
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes_it(config_file, tmp_path, capfd, monkeypatch,
+                                                                         uninterrupted, times, saved_at,
+                                                                         saved) -> None:
+    out = tmp_path / "r"
+    handler = signal.getsignal(signal.SIGINT)
+    with monkeypatch.context() as patch:
+        _patch_observe(patch, 11, _ctrl_c(times))
+        assert _cli_run(config_file, out) == 130
+    assert signal.getsignal(signal.SIGINT) is handler
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "foovb: stopping after this iteration" in err
+    command = f"foovb run {config_file} --out {out} --resume --no-progress"
+    assert f"foovb: interrupted: {saved}{out / 'checkpoint.pt'}; resume with: {command}\n" in err
+    assert _checkpoint_iteration(out) == saved_at
+    assert main(shlex.split(command)[1:]) == 0
+    assert _modes(out) == _modes(uninterrupted)
+
+
+def test_ctrl_c_before_the_first_checkpoint_saves_nothing(config_file, tmp_path, capsys, monkeypatch) -> None:
+    _patch_observe(monkeypatch, 3, _raise(KeyboardInterrupt()))
+    assert _cli_run(config_file, tmp_path / "r") == 130
+    assert capsys.readouterr().err == "foovb: interrupted: no checkpoint had been written yet (nothing to resume)\n"
+
+
+def test_checkpoints_load_with_torch_load_defaults(uninterrupted, tmp_path) -> None:
+    """weights_only=True (torch.load's default) loads a finished and an interrupted run's checkpoint, STDs included."""
+    interrupted = tmp_path / "r"
+    assert run(config_from_dict(TINY), interrupted, progress=False, stop_after=12) == {"interrupted_at": 12}
+    for run_dir, iteration in ((uninterrupted, 20), (interrupted, 12)):
+        state = torch.load(run_dir / "checkpoint.pt")
+        assert state["iteration"] == iteration and "iteration_10" in state["stds"]
+
+
+def _test_accuracy(model: torch.nn.Module) -> list[float]:
+    """`model`'s accuracy on the test examples of each task that TINY's evaluations use."""
+    scenario = runner.build_scenario(config_from_dict(TINY))
+    accuracy = []
+    with torch.no_grad():
+        for task in range(scenario.num_tasks):
+            x, y = (t[: TINY["evaluation"]["test_subset"]] for t in scenario.test_set(task))
+            accuracy.append((model(x).argmax(1) == y).float().mean().item())
+    return accuracy
+
+
+def _last_evaluation(run_dir) -> dict:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_the_model_and_learner_load_from_a_finished_run(uninterrupted) -> None:
+    rng = torch.get_rng_state()
+    model = load_model(uninterrupted)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training
+    np.testing.assert_allclose(_test_accuracy(model), _last_evaluation(uninterrupted)["accuracy"]["mean"], rtol=0,
+                               atol=1e-7)
+    learner = load_learner(uninterrupted)
+    np.testing.assert_array_equal(learner.posterior_std(), np.load(uninterrupted / "stds.npz")["iteration_20"])
+    x = torch.randn(5, 784)
+    prediction = predict(learner.optimizer, x, 10)
+    assert prediction.samples.shape == (10, 5, 10)
+    torch.testing.assert_close(prediction.mean, torch.softmax(model(x), 1))
+
+
+def test_a_baseline_model_loads_and_a_directory_without_checkpoint_is_refused(tmp_path) -> None:
+    out = tmp_path / "sgd"
+    run(config_from_dict({**TINY, "learner": {"kind": "sgd", "params": {"lr": 0.05}}}), out, progress=False)
+    np.testing.assert_allclose(_test_accuracy(load_model(out)), _last_evaluation(out)["accuracy"]["mean"], rtol=0,
+                               atol=1e-7)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no checkpoint.pt"):
+        load_learner(tmp_path)
