@@ -183,3 +183,21 @@ def test_batch_norm_running_statistics_are_updated_once_with_the_samples_average
     torch.testing.assert_close(bn.running_mean, momentum * batch_means.mean(0))  # from 0
     torch.testing.assert_close(bn.running_var, (1 - momentum) + momentum * batch_vars.mean(0))  # from 1
     assert int(bn.num_batches_tracked) == 1
+
+
+def test_an_update_that_overflows_is_undone():
+    """Finite statistics whose update overflows (the paper's sigma growth on a strongly concave loss, float32):
+    FloatingPointError, and the posterior and the model are left as they were."""
+    lin = nn.Linear(3, 1, bias=False)
+    opt = FOOVB(lin, "diagonal", 2, preset="paper", std_init=1e3, loss_reduction="sum", seed=0)
+    posterior, params = posterior_snapshot(opt), params_snapshot(lin)
+
+    def concave():
+        loss = -1e30 * lin.weight.square().sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(FloatingPointError, match="overflowed"):
+        opt.step(concave)
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(lin), params)
+    assert opt.steps_taken == 0

@@ -106,7 +106,7 @@ def test_a_diverging_foovb_run_stops_with_advice_and_keeps_its_last_good_state(c
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.startswith("foovb: error: training diverged after ")
-    assert "non-finite values in the gradients" in err and "the posterior was left unchanged" in err
+    assert "non-finite" in err and "the posterior was left unchanged" in err
     for advice in ("a larger learner.params.mc_samples (now 4; at least 4)", "std_growth=none or capped",
                    "a smaller learner.params.std_init (now 1)", "antithetic=true", "another --out"):
         assert advice in err
@@ -114,15 +114,16 @@ def test_a_diverging_foovb_run_stops_with_advice_and_keeps_its_last_good_state(c
     assert f"after {failed_at} of 20 iterations (task 1 of 2)" in err
     assert f"the state after {failed_at} iterations is saved in {out / 'checkpoint.pt'}" in err
     assert f"load_learner({str(out)!r})" in err and "--resume retries from it" in err
-    # the failed step changed nothing: the checkpoint's posterior is that of a run stopped before it (NaN where the
-    # steps before it already overflowed)
+    # the failed step changed nothing: the checkpoint's posterior is that of a run stopped before it, and finite
+    # (an update that overflows is undone too)
     reference = tmp_path / "reference"
     config = config_from_dict(yaml.safe_load((out / "config.yaml").read_text()))
     assert run(config, reference, progress=False, stop_after=failed_at) == {"interrupted_at": failed_at}
     saved, expected = (torch.load(d / "checkpoint.pt")["learner"]["optimizer"]["state"] for d in (out, reference))
     for index, state in expected.items():
         for key, value in state.items():
-            torch.testing.assert_close(saved[index][key], value, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(saved[index][key], value, rtol=0, atol=0)
+            assert torch.isfinite(saved[index][key]).all()
     # --resume retries from there with new noise (and diverges again, later or at the same iteration)
     assert _cli_run(config_file, out, *DIVERGING_FOOVB, "--resume") in (0, 1)
     err = capsys.readouterr().err
@@ -143,7 +144,7 @@ def test_a_refused_step_leaves_a_checkpoint_that_resumes_exactly(config_file, tm
     assert "training diverged after 13 of 20 iterations (task 2 of 2): non-finite values in the loss" in err
     assert _checkpoint_iteration(out) == 13
     assert _cli_run(config_file, out, "--resume") == 0
-    assert capsys.readouterr().out.endswith(f"outputs in {out}\nmodel: foovb_suite.runner.load_model({str(out)!r}) "
+    assert capsys.readouterr().out.endswith(f"outputs in {out}\nmodel: foovb_suite.load_model({str(out)!r}) "
                                             "(learner: load_learner)\n")
     assert _modes(out) == _modes(uninterrupted)
 

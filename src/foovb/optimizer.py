@@ -686,9 +686,19 @@ class FOOVB(torch.optim.Optimizer):
             where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
             raise FloatingPointError(
                 f"non-finite values in {where} at step {self.steps_taken}; the posterior was left unchanged")
+        before = {block: {key: value.clone() for key, value in block.state.items()} for block in self.blocks}
         with full_precision():
             for block in self.blocks:
                 block.update(stats[block], num_samples, self.mean_step, self.cov_step)
+        # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
+        new_state = [value for block in self.blocks for value in block.state.values()]
+        if not torch.stack(torch._foreach_norm(new_state)).sum().isfinite():
+            for block in self.blocks:
+                block.state.clear()  # entries that the failed update created (cov_momentum's average) go too
+                block.state.update(before[block])
+            raise FloatingPointError(
+                f"the update at step {self.steps_taken} overflowed to non-finite posterior values (with "
+                f"std_growth={self.std_growth!r}, a sigma that grew too large?); the posterior was left unchanged")
         self.load_mean_into_model()
         self.steps_taken += 1
         return sum(losses) / len(losses)

@@ -5,4 +5,13 @@ The library (`foovb`) never imports this package; this package imports the libra
 
 from foovb import __version__
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "load_learner", "load_model"]
+
+
+def __getattr__(name: str) -> object:
+    """`load_model` / `load_learner` from the runner, imported on first use (the runner imports matplotlib)."""
+    if name in ("load_learner", "load_model"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'foovb_suite' has no attribute {name!r}")

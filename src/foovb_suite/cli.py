@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
               f"first task {entry['first_task_accuracy']:.4f}")
     print(f"outputs in {run_dir}")
-    print(f"model: foovb_suite.runner.load_model({str(run_dir)!r}) (learner: load_learner)")
+    print(f"model: foovb_suite.load_model({str(run_dir)!r}) (learner: load_learner)")
     return 0
 
 
@@ -134,6 +134,7 @@ def _seed_rows(runs: list[dict]) -> list[list]:
 
 def _compare(args: argparse.Namespace) -> int:
     from . import plots
+    from .learners import learner_hyperparameters
     from .runner import load_run, tasks_seen
 
     runs = [load_run(d) for d in args.run_dirs]
@@ -158,8 +159,8 @@ def _compare(args: argparse.Namespace) -> int:
     average_curves, first_curves = {}, {}
     for name, r in zip(names, runs, strict=True):
         s, config = r["summary"], r["config"]
-        params = config["learner"]["params"]
-        mc = params.get("mc_samples", 10) if config["learner"]["kind"] == "foovb" else "-"
+        kind = config["learner"]["kind"]
+        mc = learner_hyperparameters(kind, config["learner"]["params"])["mc_samples"] if kind == "foovb" else "-"
         stages = tasks_seen(r["records"], config_from_dict(config))
         drawn_run = args.plot_runs is None or name in args.plot_runs
         for mode, entry in s["modes"].items():

@@ -350,7 +350,7 @@ class _TrainingLoop:
             self.save(iteration)
             run_dir = str(self.checkpoint_path.parent)
             saved = (f"the state after {iteration} iterations is saved in {self.checkpoint_path} (the failed step "
-                     f"changed nothing): foovb_suite.runner.load_learner({run_dir!r}) inspects it; --resume retries "
+                     f"changed nothing): foovb_suite.load_learner({run_dir!r}) inspects it; --resume retries "
                      "from it, with new noise")
             raise self._diverged(iteration, str(error), saved) from error
         if not math.isfinite(loss):  # the step was taken: keep the last checkpoint as it is
@@ -504,9 +504,9 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
         plots.plot_accuracy_matrix(np.array([r["accuracy"][mode] for r in records]),
                                    plot_dir / f"accuracy_matrix_{mode}.png")
     if stds:
-        params = config.learner.params
-        diagonal = (config.learner.kind == "foovb" and params.get("posterior", "diagonal") == "diagonal"
-                    and params.get("init", "paper") != "alpha")  # "alpha": one initial std per layer
+        params = learner_hyperparameters(config.learner.kind, config.learner.params)  # the preset's values filled in
+        diagonal = (config.learner.kind == "foovb" and params["posterior"] == "diagonal"
+                    and params["init"] != "alpha")  # "alpha": one initial std per layer
         position = dict(zip((r["iteration"] for r in records), stages, strict=True))
         at = [position[int(key.removeprefix("iteration_"))] for key in stds]  # evaluations, in tasks seen
         if all(float(x).is_integer() for x in at):
@@ -516,7 +516,7 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
                       for key, x in zip(stds, at, strict=True)]
             title = "Posterior STD histogram at each evaluation"
         plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
-                                  initial_std=params.get("std_init", 0.047) if diagonal else None,
+                                  initial_std=params["std_init"] if diagonal else None,
                                   labels=labels, title=title)
     if hasattr(scenario, "task_probabilities"):
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
