@@ -201,3 +201,51 @@ def test_an_update_that_overflows_is_undone():
         opt.step(concave)
     assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(lin), params)
     assert opt.steps_taken == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_your_own_loop_with_sampled_params_equals_step_with_a_closure(family):
+    """IVON-style: K `sampled_params(train=True)` blocks, then step(), give step(closure)'s update and loss."""
+    results = []
+    for own_loop in (False, True):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=6)
+        for _ in range(2):
+            if own_loop:
+                for _ in range(opt.mc_samples):
+                    with opt.sampled_params(train=True):
+                        F.cross_entropy(model(X), Y).backward()
+                loss = opt.step()
+            else:
+                loss = opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+        results.append((posterior_snapshot(opt), params_snapshot(model), loss))
+    assert all_equal(results[0][0], results[1][0]) and all_equal(results[0][1], results[1][1])
+    assert results[0][2] == pytest.approx(results[1][2])
+
+
+def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_step():
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=6)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match="or mc_samples `with optimizer.sampled_params"):
+        opt.step()
+    with opt.sampled_params(train=True):
+        F.cross_entropy(model(X), Y).backward()
+    with pytest.raises(RuntimeError, match="finish that one first"):
+        opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    with pytest.raises(RuntimeError, match="1 of 2 sampled_params"):
+        opt.step()
+    assert all_equal(posterior_snapshot(opt), before) and opt.steps_taken == 0
+    with pytest.raises(KeyError), opt.sampled_params(train=True):  # a failing block: the step is abandoned
+        raise KeyError("data")
+    assert all_equal(posterior_snapshot(opt), before)  # the model holds the mean again, nothing was updated
+    assert all_equal([opt.posterior(p).mean for p in model.parameters()], params_snapshot(model))
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            F.cross_entropy(model(X), Y).backward()
+    with pytest.raises(RuntimeError, match="all 2 Monte Carlo samples"), opt.sampled_params(train=True):
+        pass
+    opt.step()
+    assert opt.steps_taken == 1 and not all_equal(posterior_snapshot(opt), before)
+    with pytest.raises(ValueError, match="seed is for inspection"), opt.sampled_params(train=True, seed=1):
+        pass

@@ -891,15 +891,15 @@ def test_autocast_cache_of_an_outer_disabled_region_is_dropped(family):
     assert max(errors) < 0.1  # bf16 rounding, not another sample's weights
 
 
-def test_sampled_weights_inside_autocast_give_the_sampled_network():
+def test_sampled_params_inside_autocast_give_the_sampled_network():
     model = mlp(seed=0)
     opt = FOOVB(model, "kronecker", 2, seed=0, **PAPER)
     x, _ = mlp_batch()
     with _bf16(), torch.no_grad():
         mean_output = model(x)
-        with opt.sampled_weights(seed=1):
+        with opt.sampled_params(seed=1):
             first = model(x)
-        with opt.sampled_weights(seed=2):
+        with opt.sampled_params(seed=2):
             second = model(x)
         again = model(x)
     assert not torch.equal(first, mean_output) and not torch.equal(first, second)

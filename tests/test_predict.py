@@ -1,4 +1,4 @@
-"""foovb.predict (posterior-mean and sampled-network probabilities) and FOOVB.sampled_weights."""
+"""foovb.predict (posterior-mean and sampled-network probabilities) and FOOVB.sampled_params."""
 
 import pytest
 import torch
@@ -191,26 +191,26 @@ def test_batched_and_fallback_prediction_paths_draw_the_same_networks(monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------------------
-# FOOVB.sampled_weights
+# FOOVB.sampled_params
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampled_weights_loads_a_sample_and_restores_the_mean(family):
+def test_sampled_params_loads_a_sample_and_restores_the_mean(family):
     model, opt = trained(family)
     mean = params_snapshot(model)
-    with opt.sampled_weights(seed=4):
+    with opt.sampled_params(seed=4):
         inside = params_snapshot(model)
     assert all(not torch.equal(a, b) for a, b in zip(inside, mean, strict=True))
     assert all_equal(params_snapshot(model), mean)
     expected = sampled_parameters(opt, opt.draw_noise(4, range(1)), 0)
     for (name, _), value in zip(model.named_parameters(), inside, strict=True):
         torch.testing.assert_close(value, expected[name])
-    with opt.sampled_weights(seed=4):
+    with opt.sampled_params(seed=4):
         assert all_equal(params_snapshot(model), inside)  # seeded
-    with opt.sampled_weights():
+    with opt.sampled_params():
         unseeded = params_snapshot(model)
     assert not all_equal(unseeded, inside)
     with pytest.raises(KeyError, match="boom"):
-        with opt.sampled_weights(seed=5):
+        with opt.sampled_params(seed=5):
             assert not all_equal(params_snapshot(model), mean)
             raise KeyError("boom")
     assert all_equal(params_snapshot(model), mean)

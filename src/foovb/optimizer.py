@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -137,6 +138,27 @@ class StatisticsReducer(Protocol):
         ...
 
 
+@dataclass
+class _Sample:
+    """What a `sampled_params` block sees: its sample index, and where `step(closure)` puts the loss."""
+
+    index: int
+    loss: float | None = None
+
+
+@dataclass
+class _PendingStep:
+    """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses."""
+
+    seed: int
+    stats: dict
+    running: _RunningStatistics
+    batch_size: int | None
+    grad_scale: float | None = None
+    losses: list[float] = field(default_factory=list)
+    count: int = 0
+
+
 class _LossSpy(TorchFunctionMode):
     """Reads `loss_reduction_of` the first tensor that backward() is called on (before the graph is freed).
     The closure's returned loss cannot serve: Lightning returns a detached copy, and backward has run."""
@@ -144,11 +166,13 @@ class _LossSpy(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.reduction: tuple[str, float] | None = None
+        self.loss: float | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if self.reduction is None and func in (Tensor.backward, torch.autograd.backward) and args \
                 and isinstance(args[0], Tensor):
             self.reduction = loss_reduction_of(args[0])
+            self.loss = float(args[0].detach())
         return func(*args, **(kwargs or {}))
 
 
@@ -331,6 +355,7 @@ class FOOVB(torch.optim.Optimizer):
         # How the statistics of a step are combined across processes: None (one process), or the object that
         # foovb.distributed.distribute sets (its `samples` and `reduce`, see `StatisticsReducer`)
         self.statistics_reducer: StatisticsReducer | None = None
+        self._pending: _PendingStep | None = None  # a step begun by sampled_params(train=True) blocks
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         init, alpha = settings["init"], float(settings["alpha"])
@@ -490,18 +515,6 @@ class FOOVB(torch.optim.Optimizer):
     def _next_seed(self) -> int:
         return int(torch.randint(2**62, (1,), generator=self.generator).item())
 
-    @contextlib.contextmanager
-    def sampled_weights(self, seed: int | None = None) -> Iterator[None]:
-        """Load one network theta = mu + A eps into the model for the duration of the block (restored after)."""
-        if seed is None:  # not from self.generator: inspecting samples must not change the training noise
-            seed = int(torch.randint(2**62, (1,)).item())
-        noises = self.draw_noise(seed, range(1))
-        try:
-            self.load_sample(noises, 0)
-            yield
-        finally:
-            self.load_mean_into_model()
-
     @torch.no_grad()
     def load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
         """Load the network of row `row` of `noises` (from `draw_noise`) into the model."""
@@ -564,9 +577,103 @@ class FOOVB(torch.optim.Optimizer):
         this many terms (overrides what `loss_reduction` reads from the loss). Returns the mean loss over the
         samples, as the closure returned it. Batch-norm running statistics are updated once, with the
         average of the samples' batch statistics.
+
+        Without a closure, applies the update of the K samples that `sampled_params(train=True)` blocks have
+        evaluated since the last step (your own training loop).
         """
         if closure is None:
-            raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss")
+            if self._pending is None:
+                raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss, "
+                                 "or mc_samples `with optimizer.sampled_params(train=True):` blocks before it")
+            return self._finish_step()
+        if self._pending is not None:
+            raise RuntimeError("step(closure) while sampled_params(train=True) blocks have started a step: "
+                               "call step() without a closure to finish that one first")
+        for _ in self.sample_shard:
+            with self._training_sample(batch_size, reports_loss=True) as sample:
+                loss = closure()
+                if not isinstance(loss, Tensor):
+                    raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                sample.loss = float(loss.detach())
+        return self._finish_step()
+
+    @contextlib.contextmanager
+    def sampled_params(self, train: bool = False, *, seed: int | None = None,
+                       batch_size: int | None = None) -> Iterator[_Sample]:
+        """Load a sampled network into the model for the duration of the block (the mean is restored after).
+
+        train=False: a draw from the posterior with its own noise (`seed`; None: a fresh one), not from the
+        training stream, e.g. to inspect or evaluate it.
+        train=True (IVON-style, for your own training loop): the block runs forward and backward on the
+        batch, and its gradients become one of the step's K Monte Carlo samples; after mc_samples blocks,
+        `step()` (no closure) applies the update::
+
+            for _ in range(optimizer.mc_samples):
+                with optimizer.sampled_params(train=True):
+                    F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        `batch_size` as in `step`. `step(closure)` is this loop with the closure as the block.
+        """
+        if train:
+            if seed is not None:
+                raise ValueError("seed is for inspection (train=False): training samples come from the "
+                                 "optimizer's noise stream")
+            with self._training_sample(batch_size, reports_loss=False) as sample:
+                yield sample
+            return
+        if seed is None:  # not from self.generator: inspecting samples must not change the training noise
+            seed = int(torch.randint(2**62, (1,)).item())
+        noises = self.draw_noise(seed, range(1))
+        try:
+            self.load_sample(noises, 0)
+            yield _Sample(0)
+        finally:
+            self.load_mean_into_model()
+
+    @contextlib.contextmanager
+    def _training_sample(self, batch_size: int | None, reports_loss: bool) -> Iterator[_Sample]:
+        """One Monte Carlo sample of the current step: load it, let the block run forward and backward, then
+        accumulate its statistics (Algorithm 1's loop body). `reports_loss`: the caller sets `sample.loss`;
+        else it is read from the loss that backward() is called on."""
+        pending = self._pending if self._pending is not None else self._start_step(batch_size)
+        if pending.count == len(self.sample_shard):
+            raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
+        k = self.sample_shard[pending.count]
+        noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic)
+        sample = _Sample(k)
+        self.load_sample(noises, 0)
+        for p in self._params():
+            p.grad = None
+        pending.running.restore()
+        spy = _LossSpy() if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        try:
+            with torch.enable_grad(), spy:
+                yield sample
+            self._check_gradients()
+            if pending.grad_scale is None:  # the batch is the same for every sample: read its scale once
+                pending.grad_scale = self._loss_scale(spy.reduction, pending.batch_size)
+            pending.running.record()
+            pending.losses.append(sample.loss if reports_loss else spy.loss)
+            with full_precision():
+                for block in self.blocks:
+                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * pending.grad_scale
+                             for p in block.params]
+                    block.accumulate(pending.stats[block], noises[block], grads)
+            pending.count += 1
+        except BaseException:
+            self._pending = None  # a failed sample abandons the step: the posterior is unchanged
+            pending.running.restore()
+            raise
+        finally:
+            for p in self._params():
+                p.grad = None
+            self.load_mean_into_model()
+
+    def _params(self) -> Iterator[nn.Parameter]:
+        return (p for block in self.blocks for p in block.params)
+
+    def _start_step(self, batch_size: int | None) -> _PendingStep:
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if batch_size is not None and self.loss_reduction == "sum":
@@ -574,44 +681,24 @@ class FOOVB(torch.optim.Optimizer):
                              "the summed loss")
         self._check_param_groups()
         self._refuse_accumulated_gradients()
-        seed = self._next_seed()
-        stats = {block: block.new_statistics() for block in self.blocks}
-        running = _RunningStatistics(self.model)
-        grad_scale = None
-        losses = []
+        self._pending = _PendingStep(self._next_seed(), {block: block.new_statistics() for block in self.blocks},
+                                     _RunningStatistics(self.model), batch_size)
+        return self._pending
+
+    def _finish_step(self) -> float:
+        """UPDATE from the statistics of the step's K samples; batch-norm statistics as their average."""
+        pending, self._pending = self._pending, None
+        if pending.count != len(self.sample_shard):
+            pending.running.restore()
+            raise RuntimeError(f"FOO-VB averages over mc_samples={self.mc_samples} samples: {pending.count} of "
+                               f"{len(self.sample_shard)} sampled_params(train=True) blocks ran before step()")
         try:
-            for k in self.sample_shard:
-                noises = self.draw_noise(seed, range(k, k + 1), antithetic=self.antithetic)
-                self.load_sample(noises, 0)
-                for block in self.blocks:
-                    for p in block.params:
-                        p.grad = None
-                running.restore()
-                with torch.enable_grad():
-                    if grad_scale is None:  # the batch is the same for every sample: read its scale once
-                        with _LossSpy() as spy:
-                            loss = closure()
-                    else:
-                        loss = closure()
-                if not isinstance(loss, Tensor):
-                    raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
-                running.record()
-                losses.append(float(loss.detach()))
-                self._check_gradients()
-                if grad_scale is None:
-                    grad_scale = self._loss_scale(spy.reduction, batch_size)
-                with full_precision():
-                    for block in self.blocks:
-                        grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * grad_scale
-                                 for p in block.params]
-                        block.accumulate(stats[block], noises[block], grads)
-        finally:
-            running.average()
-            for block in self.blocks:
-                for p in block.params:
-                    p.grad = None
-            self.load_mean_into_model()
-        return self._apply_update(stats, losses, self.mc_samples)
+            mean_loss = self._apply_update(pending.stats, pending.losses, self.mc_samples)
+        except BaseException:
+            pending.running.restore()  # a refused update changes nothing
+            raise
+        pending.running.average()
+        return mean_loss
 
     @torch.optim.Optimizer.profile_hook_step  # step pre/post hooks run for both paths (torch wraps `step`)
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
@@ -628,8 +715,6 @@ class FOOVB(torch.optim.Optimizer):
         """
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
-        self._check_param_groups()
-        self._refuse_accumulated_gradients()
         check_batched_support(self.blocks, self.model)
         if loss_fn is None:
             default_reduction = "mean" if self.loss_reduction == "mean" else "sum"
@@ -639,33 +724,38 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
         if rows == 0:
             raise ValueError("empty batch: step_batched needs at least one row")
+        if self._pending is not None:
+            raise RuntimeError("step_batched while sampled_params(train=True) blocks have started a step: call "
+                               "step() without a closure to finish that one first")
         shard = self.sample_shard
         chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
-        seed = self._next_seed()
         modules: dict[nn.Module, list[PosteriorBlock]] = {}
         for block in self.blocks:
             modules.setdefault(block.module, []).append(block)
-        stats = {block: block.new_statistics() for block in self.blocks}
+        pending = self._start_step(None)
         shared_inputs: dict = {}
-        losses = []
-        for start in range(0, len(shard), chunk):
-            samples = shard[start : start + chunk]
-            c = len(samples)
-            noises = self.draw_noise(seed, samples, antithetic=self.antithetic)
-            with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
-                with torch.enable_grad():
-                    outputs = self.model(inputs)
-                    loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
-                    # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: scale back to the sum
-                    reduction = loss_reduction_of(loss)
-                    grad_scale = self._loss_scale(reduction, None)
-                    loss.backward()
-                with full_precision():
-                    network.accumulate(stats, grad_scale, shared_inputs)
-            value = float(loss.detach())
-            per_sample = value if reduction[0] == "mean" else value / c
-            losses.extend([per_sample] * c)
-        return self._apply_update(stats, losses, self.mc_samples)
+        try:
+            for start in range(0, len(shard), chunk):
+                samples = shard[start : start + chunk]
+                c = len(samples)
+                noises = self.draw_noise(pending.seed, samples, antithetic=self.antithetic)
+                with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
+                    with torch.enable_grad():
+                        outputs = self.model(inputs)
+                        loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
+                        # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
+                        reduction = loss_reduction_of(loss)
+                        grad_scale = self._loss_scale(reduction, None)
+                        loss.backward()
+                    with full_precision():
+                        network.accumulate(pending.stats, grad_scale, shared_inputs)
+                value = float(loss.detach())
+                pending.losses.extend([value if reduction[0] == "mean" else value / c] * c)
+                pending.count += c
+        except BaseException:
+            self._pending = None
+            raise
+        return self._finish_step()
 
     @torch.no_grad()
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> float:
