@@ -157,6 +157,8 @@ class _PendingStep:
     grad_scale: float | None = None
     losses: list[float] = field(default_factory=list)
     count: int = 0
+    noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
+    noise_of: int = -1  # its sample index
 
 
 class _LossSpy(TorchFunctionMode):
@@ -640,7 +642,11 @@ class FOOVB(torch.optim.Optimizer):
         if pending.count == len(self.sample_shard):
             raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
         k = self.sample_shard[pending.count]
-        noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic)
+        if self.antithetic and k % 2 and pending.noise_of == k - 1:  # the pair's second half: -eps, not redrawn
+            noises = {block: noise.neg() for block, noise in pending.noises.items()}
+        else:
+            noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic)
+        pending.noises, pending.noise_of = noises, k
         sample = _Sample(k)
         self.load_sample(noises, 0)
         for p in self._params():
@@ -657,7 +663,8 @@ class FOOVB(torch.optim.Optimizer):
             pending.losses.append(sample.loss if reports_loss else spy.loss)
             with full_precision():
                 for block in self.blocks:
-                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] * pending.grad_scale
+                    grads = [torch.zeros_like(p)[None] if p.grad is None
+                             else p.grad[None] if pending.grad_scale == 1.0 else p.grad[None] * pending.grad_scale
                              for p in block.params]
                     block.accumulate(pending.stats[block], noises[block], grads)
             pending.count += 1

@@ -388,9 +388,9 @@ class OnlineEWCLearner(PerIterationConsolidationLearner):
     def _check_method_state(self, state: dict[str, Any]) -> None:
         super()._check_method_state(state)
         expected = self.label_generator.get_state().numel()
-        if state["label_generator"].numel() != expected:  # a CUDA generator's state (versions before b9a4340)
-            raise ValueError("this online EWC checkpoint holds the state of a GPU random generator for its Fisher "
-                             "labels (saved by an older version); it cannot be resumed by this version")
+        if state["label_generator"].numel() != expected:  # e.g. a CUDA generator's state
+            raise ValueError("this online EWC checkpoint's Fisher-label generator state is not a CPU generator's "
+                             f"({state['label_generator'].numel()} bytes, expected {expected}); it cannot be resumed")
 
     def _load_method_state(self, state: dict[str, Any]) -> None:
         super()._load_method_state(state)
