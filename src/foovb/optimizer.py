@@ -34,7 +34,7 @@ from .posteriors import (
     drop_autocast_cache,
     full_precision,
 )
-from .sampled import SampledNetwork, check_batched_support
+from .sampled import LinearCapture, SampledNetwork, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
 __all__ = ["FOOVB"]
@@ -159,6 +159,7 @@ class _PendingStep:
     count: int = 0
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
+    factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
 
 
 class _LossSpy(TorchFunctionMode):
@@ -174,7 +175,7 @@ class _LossSpy(TorchFunctionMode):
         if self.reduction is None and func in (Tensor.backward, torch.autograd.backward) and args \
                 and isinstance(args[0], Tensor):
             self.reduction = loss_reduction_of(args[0])
-            self.loss = float(args[0].detach())
+            self.loss = float(args[0].detach().sum())  # backward(gradient) of a non-scalar: its sum
         return func(*args, **(kwargs or {}))
 
 
@@ -653,8 +654,10 @@ class FOOVB(torch.optim.Optimizer):
             p.grad = None
         pending.running.restore()
         spy = _LossSpy() if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        linear = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
+        capture = LinearCapture(linear) if linear else None
         try:
-            with torch.enable_grad(), spy:
+            with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
             self._check_gradients()
             if pending.grad_scale is None:  # the batch is the same for every sample: read its scale once
@@ -663,6 +666,8 @@ class FOOVB(torch.optim.Optimizer):
             pending.losses.append(sample.loss if reports_loss else spy.loss)
             with full_precision():
                 for block in self.blocks:
+                    if capture is not None and self._accumulate_captured(capture, block, pending, noises[block]):
+                        continue
                     grads = [torch.zeros_like(p)[None] if p.grad is None
                              else p.grad[None] if pending.grad_scale == 1.0 else p.grad[None] * pending.grad_scale
                              for p in block.params]
@@ -673,9 +678,35 @@ class FOOVB(torch.optim.Optimizer):
             pending.running.restore()
             raise
         finally:
+            if capture is not None:
+                capture.close()
             for p in self._params():
                 p.grad = None
             self.load_mean_into_model()
+
+    @staticmethod
+    def _accumulate_captured(capture: LinearCapture, block: PosteriorBlock, pending: _PendingStep,
+                             noise: Tensor) -> bool:
+        """Accumulate a matrix-variate nn.Linear block's statistics in low-rank form from its captured input X and
+        errors Delta (as `step_batched` does, `KroneckerBlock.accumulate_factored`), where the gradient is
+        exactly Delta^T X_aug and X has fewer rows than X_aug has columns (else the dense gradient is as cheap).
+        An input equal to the previous sample's (the batch itself, for the first layer) reuses its X_aug and
+        X_aug A, so sum_k Psi_k^T B Phi_k = X_aug^T (sum_k Delta_k B Phi_k) keeps rank r. False: use .grad."""
+        if not capture.exact(block):
+            return False
+        x, delta = capture.inputs(block)
+        if x.shape[0] >= block.in_features + int(block.has_bias):
+            return False
+        inputs, products = pending.factored_inputs.setdefault(block, ({}, {}))
+        x_aug = augmented_input(block, x, inputs, keep_one=True)
+        if products.get("x_aug") is not x_aug:
+            products.update(x_aug=x_aug, x_a=block.input_times_a(x))
+        noise_pre = products["x_a"] @ noise[0].T  # X_aug A Phi^T
+        psi = block.join([p.grad[None] for p in block.params])[0]  # Delta^T X_aug, already computed by backward
+        if pending.grad_scale != 1.0:
+            delta, psi = delta * pending.grad_scale, psi * pending.grad_scale
+        block.accumulate_factored(pending.stats[block], noise, delta[None], x_aug, noise_pre[None], psi)
+        return True
 
     def _params(self) -> Iterator[nn.Parameter]:
         return (p for block in self.blocks for p in block.params)

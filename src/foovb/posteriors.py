@@ -257,6 +257,43 @@ class KroneckerBlock(PosteriorBlock):
         for psi_a_k, noise_k in zip(psi @ a, noise, strict=True):
             stats["psi_a_phi"].addmm_(psi_a_k, noise_k.T)
 
+    # -- the factored (low-rank) statistics of an nn.Linear layer, from its input X and output errors Delta -----
+    def augment(self, x: Tensor) -> Tensor:
+        """X -> X_aug = [X, 1] (the bias column), or X itself without a bias."""
+        return torch.cat([x, torch.ones_like(x[..., :1])], -1) if self.has_bias else x
+
+    def input_times_a(self, x: Tensor) -> Tensor:
+        """X_aug A without forming X_aug: X A[:n_in] + A[n_in] (the bias row)."""
+        a = self.state["input_sqrt_cov"]
+        x_a = x @ a[: self.in_features]
+        return x_a + a[self.in_features] if self.has_bias else x_a
+
+    def accumulate_factored(self, stats: dict, noise: Tensor, delta: Tensor, x_aug: Tensor, noise_pre: Tensor,
+                            psi_sum: Tensor | None = None) -> None:
+        """`accumulate` for an nn.Linear layer from the pieces of its gradients Psi_k = Delta_k^T X_aug (design note
+        "Making the matrix-variate update cheap"), without forming Psi_k:
+            sum_k Psi_k = sum_k Delta_k^T X_aug,   sum_k Psi_k^T B Phi_k = X_aug^T (sum_k Delta_k B Phi_k),
+            sum_k Psi_k A Phi_k^T = sum_k Delta_k^T (X_aug A Phi_k^T).
+        The second stays a `LowRank` of rank r (rows) when X_aug (r, n) is shared by the samples, K r when
+        it is per sample (c, r, n).
+
+        Args: noise Phi (c, p, n); delta (c, r, p), the errors dL_n/dY_k (loss scale applied); x_aug (r, n)
+        or (c, r, n); noise_pre = X_aug A Phi_k^T (c, r, p); psi_sum: sum_k Psi_k where the caller has it (the
+        dense gradient of the sequential path), else computed from Delta and X_aug."""
+        b = self.state["output_sqrt_cov"]
+        delta_b_phi = (delta @ b) @ noise  # (c, r, n)
+        if psi_sum is not None:
+            stats["psi_sum"] += psi_sum
+        elif x_aug.ndim == 2:
+            stats["psi_sum"] += delta.sum(0).T @ x_aug
+        else:
+            stats["psi_sum"] += delta.flatten(0, 1).T @ x_aug.flatten(0, 1)
+        if x_aug.ndim == 2:
+            stats["psi_b_phi"].add(x_aug, delta_b_phi.sum(0))
+        else:
+            stats["psi_b_phi"].add(x_aug.flatten(0, 1), delta_b_phi.flatten(0, 1))
+        stats["psi_a_phi"].addmm_(delta.flatten(0, 1).T, noise_pre.flatten(0, 1))
+
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a, b, mean = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"], self.state["mean"]
         p, n = mean.shape

@@ -26,10 +26,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
 
-__all__ = ["SampledNetwork", "check_batched_support"]
+__all__ = ["LinearCapture", "SampledNetwork", "augmented_input", "check_batched_support"]
 
 SUPPORTED = (nn.Linear, nn.Conv2d)
 
@@ -145,14 +146,12 @@ class _Layer:
         c, r = self.c, self.r
         if x.ndim != 2:
             raise ValueError("the batched path supports 2-D inputs to nn.Linear; use FOOVB.step(closure)")
-        mean, a, b = (block.state[k] for k in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
+        mean, b = block.state["mean"], block.state["output_sqrt_cov"]
         n_in = block.in_features
         bias_mean = mean[:, n_in] if block.has_bias else None
         rows = x if shared else x.view(c, r, n_in)
         mean_out = F.linear(rows, mean[:, :n_in], bias_mean)
-        x_a = rows @ a[:n_in]  # X A with the bias column: X_aug A = X A[:n_in] + A[n_in]
-        if block.has_bias:
-            x_a = x_a + a[n_in]
+        x_a = block.input_times_a(rows)  # X_aug A
         if shared:  # (r, n) @ (n, c p): one GEMM for all samples
             noise_pre = (x_a @ phi.flatten(0, 1).T).unflatten(1, (c, -1)).transpose(0, 1)
         else:
@@ -185,29 +184,24 @@ class _Layer:
         if "delta" not in self.saved:
             raise RuntimeError(f"no gradient reached {type(self.module).__name__}: is its output used by the loss?")
         (phi,) = self.noises
-        delta, x, noise_pre = self.saved["delta"] * grad_scale, self.saved["x"], self.saved["noise_pre"]
-        s, b = stats[block], block.state["output_sqrt_cov"]
-        shared = x.ndim == 2
-        # The same input in every chunk gets the same x_aug, so LowRank sums its right factors. The key has the
-        # strides (x[:, :n] and x[:, ::2] share address and shape), and a hit is checked by value: an input
-        # recomputed in a later chunk may reuse a freed address (the cache does not keep inputs alive).
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), block.has_bias)
-        x_aug = shared_inputs.get(key) if shared else None
-        if x_aug is None or not torch.equal(x_aug[..., : x.shape[-1]], x):
-            x_aug = torch.cat([x, torch.ones_like(x[..., :1])], -1) if block.has_bias else x
-            if shared:
-                shared_inputs[key] = x_aug
-        delta_b_phi = (delta @ b) @ phi  # (c, r, n)
-        if shared:
-            delta_sum = delta.sum(0)
-            s["psi_sum"] += delta_sum.T @ x_aug
-            s["psi_b_phi"].add(x_aug, delta_b_phi.sum(0))
-        else:
-            flat_delta = delta.flatten(0, 1)
-            s["psi_sum"] += flat_delta.T @ x_aug.flatten(0, 1)
-            s["psi_b_phi"].add(x_aug.flatten(0, 1), delta_b_phi.flatten(0, 1))
-        s["psi_a_phi"].addmm_(delta.flatten(0, 1).T, noise_pre.flatten(0, 1))  # sum_k Delta_k^T (X A Phi_k^T)
+        delta, x = self.saved["delta"] * grad_scale, self.saved["x"]
+        x_aug = augmented_input(block, x, shared_inputs) if x.ndim == 2 else block.augment(x)
+        block.accumulate_factored(stats[block], phi, delta, x_aug, self.saved["noise_pre"])
 
+
+def augmented_input(block: KroneckerBlock, x: Tensor, cache: dict, *, keep_one: bool = False) -> Tensor:
+    """X_aug of an input (r, n_in) that may be shared by several samples or chunks: the same input gets the same
+    X_aug object, so `LowRank` sums its right factors (the statistic keeps rank r). The key has the strides
+    (x[:, :n] and x[:, ::2] share address and shape), and a hit is checked by value: an input recomputed later
+    may reuse a freed address (the cache does not keep inputs alive). `keep_one`: a miss empties the cache first
+    (it then holds the latest input only)."""
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), block.has_bias)
+    x_aug = cache.get(key)
+    if x_aug is None or not torch.equal(x_aug[..., : x.shape[-1]], x):
+        if keep_one:
+            cache.clear()
+        x_aug = cache[key] = block.augment(x)
+    return x_aug
 
 class SampledNetwork:
     """Context manager: inside it, `model(x)` returns the outputs of c sampled networks, stacked (c * r, ...).
@@ -237,3 +231,133 @@ class SampledNetwork:
     def accumulate(self, stats: dict[PosteriorBlock, dict], grad_scale: float, shared_inputs: dict) -> None:
         for layer in self.layers:
             layer.accumulate(stats, grad_scale, shared_inputs)
+
+
+# Tensor attributes and methods that read a parameter without making the loss depend on it
+_HARMLESS_GETTERS = frozenset({"grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout",
+                               "is_cuda", "is_sparse", "is_meta", "is_quantized", "_version", "grad_fn", "data",
+                               "output_nr", "itemsize", "nbytes", "names"})
+_HARMLESS_METHODS = frozenset({"size", "dim", "numel", "stride", "data_ptr", "element_size", "is_contiguous",
+                               "detach", "nelement", "storage_offset", "__len__"})
+
+
+def _is_harmless(func: object) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _HARMLESS_GETTERS
+    return name in _HARMLESS_METHODS
+
+
+class _Captured:
+    """What one Kronecker nn.Linear block's parameters went through during one sample."""
+
+    def __init__(self) -> None:
+        self.uses = 0  # torch functions that took the weight or the bias (F.linear's call included)
+        self.x: Tensor | None = None  # the input of its one F.linear call (detached), and its version then
+        self.version = 0
+        self.delta: Tensor | None = None  # dL/dY of that call, summed over backward passes
+        self.grads: dict[int, tuple[Tensor, int]] = {}  # id(param) -> (its .grad, version) after accumulation
+
+
+class LinearCapture(TorchFunctionMode):
+    """The sequential path's counterpart of `SampledNetwork`'s statistics (issue 30): while active (one Monte Carlo
+    sample of `FOOVB.step(closure)`), it records the input X and the output errors Delta = dL/dY of every
+    F.linear call on the weight of a matrix-variate nn.Linear block, so that the block's statistics can be
+    built in low-rank form (`KroneckerBlock.accumulate_factored`) instead of from the dense p x n gradient.
+
+    `exact(block)` says whether the block's gradients are exactly Delta^T X_aug: its weight and bias were used
+    by exactly one torch function, F.linear(x, weight, bias), whose output received gradients; no backward
+    pass built a graph or was restricted to some inputs, no autograd.grad ran (its errors would not reach
+    .grad); the parameters have no gradient hooks of their own, and their .grad was not changed or replaced
+    after backward (clipping, weight decay added by hand); no torch.compile'd code ran under it. Otherwise the
+    caller uses the dense .grad.
+    Functions are seen at the top level only (torch runs a function's internals with the mode off), which is
+    where a parameter enters the computation. `close()` removes the hooks.
+    """
+
+    def __init__(self, blocks: Sequence[KroneckerBlock]):
+        super().__init__()
+        self.captured = {block: _Captured() for block in blocks}
+        self.owner = {id(p): block for block in blocks for p in block.params}
+        self.unsafe = False  # a backward pass that .grad does not see as Delta^T X: every block falls back
+        self.handles = []
+        for block in blocks:
+            if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in block.params):
+                self.captured[block].uses = -1  # the user's hooks may change the gradient: never exact
+                continue
+            for p in block.params:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._record_grad(block)))
+
+    def _record_grad(self, block: KroneckerBlock):  # noqa: ANN202
+        def hook(param: Tensor) -> None:
+            self.captured[block].grads[id(param)] = (param.grad, param.grad._version)
+        return hook
+
+    def _touched(self, args: tuple, kwargs: dict) -> set[KroneckerBlock]:
+        found = set()
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                block = self.owner.get(id(item)) if isinstance(item, Tensor) else None
+                if block is not None:
+                    found.add(block)
+        return found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced by torch.compile: no hooks in the graph, the dense gradients
+            self.unsafe = True
+        elif func is torch.autograd.grad:
+            self.unsafe = True
+        elif func is Tensor.backward or func is torch.autograd.backward:
+            create_graph, inputs = (3, 4) if func is Tensor.backward else (3, 5)
+            if (kwargs.get("create_graph", len(args) > create_graph and args[create_graph])
+                    or kwargs.get("inputs", args[inputs] if len(args) > inputs else None) is not None):
+                self.unsafe = True
+        elif not _is_harmless(func):
+            touched = self._touched(args, kwargs)
+            for block in touched:
+                self.captured[block].uses += 1
+            if len(touched) == 1 and func is F.linear:
+                return self._linear(next(iter(touched)), func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _linear(self, block: KroneckerBlock, func, args: tuple, kwargs: dict) -> Tensor:  # noqa: ANN001
+        y = func(*args, **kwargs)
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        captured = self.captured[block]
+        if (weight is block.params[0] and bias is (block.params[1] if block.has_bias else None)
+                and captured.uses == 1 and y.requires_grad and x.shape[-1] == block.in_features):
+            captured.x, captured.version = x.detach(), x._version
+            self.handles.append(y.register_hook(self._save_delta(captured)))
+        return y
+
+    @staticmethod
+    def _save_delta(captured: _Captured):  # noqa: ANN205
+        def hook(grad: Tensor) -> None:
+            grad = grad.detach()
+            captured.delta = grad if captured.delta is None else captured.delta + grad
+        return hook
+
+    def exact(self, block: KroneckerBlock) -> bool:
+        captured = self.captured.get(block)
+        if self.unsafe or captured is None or captured.uses != 1 or captured.delta is None:
+            return False
+        if captured.x._version != captured.version:
+            return False
+        for p in block.params:
+            seen = captured.grads.get(id(p))
+            if seen is None or p.grad is not seen[0] or p.grad._version != seen[1]:
+                return False
+        return True
+
+    def inputs(self, block: KroneckerBlock) -> tuple[Tensor, Tensor]:
+        """The captured X (r, n_in) and Delta (r, p), rows flattened, in the posterior's dtype."""
+        captured, dtype = self.captured[block], block.state["mean"].dtype
+        return (captured.x.reshape(-1, block.in_features).to(dtype),
+                captured.delta.reshape(-1, block.out_features).to(dtype))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

@@ -1,0 +1,195 @@
+"""The closure path's low-rank matrix-variate statistics (issue 30): step(closure) captures each Kronecker
+nn.Linear layer's input X and output errors Delta and accumulates sum_k Psi_k^T B Phi_k = X_aug^T sum_k Delta_k
+B Phi_k as step_batched does, instead of from the dense gradient. These tests compare every statistic, and the
+updated posterior, with the dense computation (`_accumulate_captured` switched off), on MLPs (the first layer's
+input is shared by the samples, the later layers' are per sample), and check the fallback to the dense gradient
+wherever the gradient is not exactly Delta^T X_aug (a layer called twice, a weight used outside F.linear,
+clipped gradients, autograd.grad, an unused layer)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foovb import FOOVB
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+F64 = torch.float64
+ROWS = 8  # fewer than every layer's inputs + 1: the low-rank route applies to all three layers
+
+
+class Net(nn.Module):
+    """12-16-16-3 MLP; `twice`: the middle layer is applied twice (shared weights); `unused`: a layer that the
+    forward never calls."""
+
+    def __init__(self, twice: bool = False, unused: bool = False):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.unused = nn.Linear(16, 16) if unused else None
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+        if self.twice:
+            h = torch.tanh(self.fc2(h))
+        return self.fc3(h)
+
+
+def batch(dtype=F64):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 12, generator=gen, dtype=dtype), torch.randint(3, (ROWS,), generator=gen)
+
+
+def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=0, loss_reduction="auto", **net):
+    """One step(closure) of a fresh model; returns (statistics per block, posterior after, blocks that used the
+    low-rank route)."""
+    torch.manual_seed(seed)
+    model = Net(**net).to(dtype)
+    opt = FOOVB(model, "kronecker", mc_samples=k, seed=seed, antithetic=antithetic, loss_reduction=loss_reduction)
+    recorded, factored = {}, set()
+    apply_update, accumulate = opt._apply_update, opt._accumulate_captured
+
+    def record(stats, losses, num_samples):
+        recorded.update({opt.blocks.index(b): s for b, s in stats.items()})
+        return apply_update(stats, losses, num_samples)
+
+    def captured(capture, block, pending, noise):
+        if dense:
+            return False
+        used = accumulate(capture, block, pending, noise)
+        if used:
+            factored.add(opt.blocks.index(block))
+        return used
+
+    opt._apply_update, opt._accumulate_captured = record, captured
+    opt.step(closure_of(model, *batch(dtype)))
+    names = {i: n for i, b in enumerate(opt.blocks) for n, m in model.named_modules() if m is b.module}
+    state = {names[i]: {key: v.clone() for key, v in b.state.items()} for i, b in enumerate(opt.blocks)}
+    return {names[i]: s for i, s in recorded.items()}, state, {names[i] for i in factored}
+
+
+def summed(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+def assert_same(a, b, rtol=1e-10):
+    (stats_a, state_a, _), (stats_b, state_b, _) = a, b
+    assert stats_a.keys() == stats_b.keys()
+    for name in stats_a:
+        for key in ("psi_sum", "psi_a_phi"):
+            torch.testing.assert_close(stats_a[name][key], stats_b[name][key], rtol=rtol, atol=rtol)
+        torch.testing.assert_close(stats_a[name]["psi_b_phi"].to_dense(), stats_b[name]["psi_b_phi"].to_dense(),
+                                   rtol=rtol, atol=rtol)
+        for key in state_a[name]:
+            torch.testing.assert_close(state_a[name][key], state_b[name][key], rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_low_rank_statistics_equal_dense(antithetic):
+    low = run_step(False, summed, antithetic=antithetic)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    first = low[0]["fc1"]["psi_b_phi"]  # the batch is every sample's input: rank ROWS, not K * ROWS
+    assert first.dense is None and first.rank == ROWS
+    later = low[0]["fc2"]["psi_b_phi"]  # per-sample inputs: ranks add up (dense once they reach n = 17)
+    assert later.dense is not None or later.rank == 4 * ROWS
+    assert_same(low, run_step(True, summed, antithetic=antithetic))
+
+
+def test_mean_loss_scaled_like_the_dense_gradient():
+    def mean(model, x, y):
+        def closure():
+            loss = F.cross_entropy(model(x), y)  # a mean: the optimizer multiplies the gradients by ROWS
+            loss.backward()
+            return loss
+        return closure
+
+    low = run_step(False, mean)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    assert_same(low, run_step(True, mean))
+    assert_same(low, run_step(False, summed))  # and the summed loss's statistics
+
+
+def test_float32_matches_dense():
+    low = run_step(False, summed, dtype=torch.float32)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    assert_same(low, run_step(True, summed, dtype=torch.float32), rtol=1e-4)
+
+
+def test_layer_called_twice_falls_back():
+    low = run_step(False, summed, twice=True)
+    assert low[2] == {"fc1", "fc3"}
+    assert_same(low, run_step(True, summed, twice=True))
+
+
+def test_unused_layer_falls_back():
+    low = run_step(False, summed, unused=True)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    assert_same(low, run_step(True, summed, unused=True))
+
+
+def weight_penalty(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum") + model.fc1.weight.square().sum()
+        loss.backward()
+        return loss
+    return closure
+
+
+def clipped(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        nn.utils.clip_grad_norm_([model.fc2.weight], 1e-3)  # changes .grad after backward
+        return loss
+    return closure
+
+
+def input_gradient_penalty(model, x, y):
+    def closure():
+        inputs = x.clone().requires_grad_()
+        loss = F.cross_entropy(model(inputs), y, reduction="sum")
+        (grad,) = torch.autograd.grad(loss, inputs, create_graph=True)
+        total = loss + grad.square().sum()
+        total.backward()
+        return total
+    return closure
+
+
+@pytest.mark.parametrize(("closure_of", "factored"), [(weight_penalty, {"fc2", "fc3"}), (clipped, {"fc1", "fc3"}),
+                                                      (input_gradient_penalty, set())])
+def test_gradient_other_than_delta_x_falls_back(closure_of, factored):
+    low = run_step(False, closure_of, loss_reduction="sum")  # a summed loss plus a penalty
+    assert low[2] == factored
+    assert_same(low, run_step(True, closure_of, loss_reduction="sum"))
+
+
+def test_sequential_equals_batched_with_low_rank_closure():
+    torch.manual_seed(0)
+    models = [Net().double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [FOOVB(m, "kronecker", mc_samples=4, seed=3) for m in models]
+    x, y = batch()
+    for _ in range(2):
+        opts[0].step(summed(models[0], x, y))
+        opts[1].step_batched(x, y, lambda out, t: F.cross_entropy(out, t, reduction="sum"))
+    for a, b in zip(opts[0].blocks, opts[1].blocks, strict=True):
+        for key in a.state:
+            torch.testing.assert_close(a.state[key], b.state[key], rtol=1e-10, atol=1e-10)
+
+
+def test_hooks_removed_after_the_step():
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = FOOVB(model, "kronecker", mc_samples=2, seed=0)
+    x, y = batch()
+    opt.step(summed(model, x, y))
+    assert all(not p._backward_hooks and not p._post_accumulate_grad_hooks for p in model.parameters())
+    out = model.fc1(x)
+    assert not out._backward_hooks
+    F.cross_entropy(model(x), y).backward()  # a backward outside a step changes nothing of the optimizer's
+    assert opt._pending is None
