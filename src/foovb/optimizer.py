@@ -37,7 +37,7 @@ from .posteriors import (
 from .sampled import LinearCapture, SampledNetwork, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
-__all__ = ["FOOVB"]
+__all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of"]
 
 _MASK64 = (1 << 64) - 1
 
