@@ -249,3 +249,26 @@ def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_s
     assert opt.steps_taken == 1 and not all_equal(posterior_snapshot(opt), before)
     with pytest.raises(ValueError, match="seed is for inspection"), opt.sampled_params(train=True, seed=1):
         pass
+
+
+def test_step_batched_evaluates_wide_layers_one_sample_at_a_time(monkeypatch):
+    """A diagonal layer of WIDE_LAYER weights or more: step_batched takes step(closure)'s route (measured faster),
+    with step(closure)'s update; the paper's MLP (78,400 weights in its widest layer) stays stacked."""
+    import foovb.optimizer as optimizer_module
+
+    def wide(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 400), nn.ReLU(), nn.Linear(400, 400), nn.ReLU(), nn.Linear(400, 3))
+
+    assert 400 * 400 >= optimizer_module.WIDE_LAYER > 784 * 100
+    batched, sequential = wide(0), wide(0)
+    opts = [FOOVB(batched, "diagonal", 4, seed=1), FOOVB(sequential, "diagonal", 4, seed=1)]
+    with monkeypatch.context() as patch:
+        patch.setattr(optimizer_module, "SampledNetwork", None)  # the stacked evaluation is not used
+        loss = opts[0].step_batched(X, Y, F.cross_entropy)
+    assert loss == pytest.approx(opts[1].step(_closure(sequential, lambda m: F.cross_entropy(m(X), Y))))
+    assert all_equal(posterior_snapshot(opts[0]), posterior_snapshot(opts[1]))
+    narrow = FOOVB(mlp(), "diagonal", 4, seed=1)
+    monkeypatch.setattr(optimizer_module, "SampledNetwork", None)
+    with pytest.raises(TypeError):  # small layers are stacked (SampledNetwork is called)
+        narrow.step_batched(X, Y)

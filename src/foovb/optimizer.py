@@ -56,6 +56,9 @@ INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
 MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
 LOSS_REDUCTIONS = ("auto", "sum", "mean")
+# A sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples slower than
+# one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10 1.37x)
+WIDE_LAYER = 2**17
 
 # Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
 # (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
@@ -589,6 +592,9 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss, "
                                  "or mc_samples `with optimizer.sampled_params(train=True):` blocks before it")
             return self._finish_step()
+        return self._sequential_step(closure, batch_size)
+
+    def _sequential_step(self, closure: Callable[[], Tensor], batch_size: int | None) -> float:
         if self._pending is not None:
             raise RuntimeError("step(closure) while sampled_params(train=True) blocks have started a step: "
                                "call step() without a closure to finish that one first")
@@ -750,6 +756,9 @@ class FOOVB(torch.optim.Optimizer):
                 to the K stacked outputs (K r rows) and targets repeated K times. Default: cross-entropy.
             chunk_size: samples evaluated per pass (bounds memory to chunk_size networks); default all K.
         Returns the mean loss over the samples. Gives the same update as `step` for the same seed.
+        A model with a layer whose sampled weight has WIDE_LAYER elements or more (diagonal or full blocks, and
+        matrix-variate convolutions: the blocks whose samples are built whole) is evaluated one sample at a time,
+        as `step` does: stacking such samples was measured slower (docs/performance.md).
         """
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
@@ -765,6 +774,14 @@ class FOOVB(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("step_batched while sampled_params(train=True) blocks have started a step: call "
                                "step() without a closure to finish that one first")
+        if any(not (isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear))
+               and sum(p.numel() for p in block.params) >= WIDE_LAYER for block in self.blocks):
+            def closure() -> Tensor:
+                loss = loss_fn(self.model(inputs), targets)
+                loss.backward()
+                return loss
+
+            return self._sequential_step(closure, None)
         shard = self.sample_shard
         chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
         modules: dict[nn.Module, list[PosteriorBlock]] = {}
