@@ -3,6 +3,7 @@ per-batch task sampling, epoch structure, resumability, the vision mix and the j
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from foovb_suite.scenarios import (
     DiscretePermutedMNIST,
     JointStream,
     PermutedMNIST,
+    SplitMNIST,
     VisionMix,
 )
 
@@ -270,6 +272,56 @@ def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
     assert any(not torch.equal(a.y, b.y) for (_, a), (_, b) in zip(full, different, strict=True))
     with pytest.raises(ValueError, match="start_iteration"):
         next(stream.batches(stream.num_iterations + 1))
+
+
+# --- split MNIST ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def split_mnist() -> SplitMNIST:
+    return SplitMNIST(PermutedMNIST(num_tasks=1, pad_to_32=True), epochs_per_task=2, batch_size=1000, seed=3)
+
+
+def test_split_mnist_tasks_are_digit_pairs_with_shared_binary_labels(split_mnist):
+    mnist = load_mnist()
+    digits = [mnist.train_labels[rows] for rows in split_mnist.train_rows]
+    assert [sorted(d.unique().tolist()) for d in digits] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert split_mnist.train_sizes == tuple(int(((mnist.train_labels // 2) == t).sum()) for t in range(5))
+    assert sum(split_mnist.train_sizes) == 60000 and split_mnist.num_classes == 2
+    assert split_mnist.input_shape == (1024,) and not split_mnist.task_aware
+    test_total = 0
+    for task in range(5):
+        x, y = split_mnist.test_set(task)
+        rows = torch.nonzero(mnist.test_labels // 2 == task).flatten()
+        torch.testing.assert_close(y, mnist.test_labels[rows] - 2 * task)  # "first or second digit of the pair"
+        torch.testing.assert_close(x, split_mnist.images.test_set(0)[0][rows])  # padded, standardised, unpermuted
+        test_total += len(y)
+    assert test_total == 10000
+    # a mixed-task batch: each row is its task's example, labelled within its pair
+    tasks, indices = torch.tensor([0, 4, 2]), torch.tensor([5, 0, 17])
+    batch = split_mnist.train_batch(tasks, indices)
+    for k, (task, index) in enumerate(zip(tasks.tolist(), indices.tolist(), strict=True)):
+        row = split_mnist.train_rows[task][index]
+        assert batch.y[k] == mnist.train_labels[row] - 2 * task
+        torch.testing.assert_close(batch.x[k], split_mnist.images.train_batch(torch.zeros(1, dtype=torch.int64),
+                                                                               row.reshape(1)).x[0])
+
+
+def test_split_mnist_stream_visits_each_pair_for_its_epochs_in_order(split_mnist, monkeypatch):
+    calls = record_indices(monkeypatch, split_mnist)
+    batches = list(split_mnist.batches())
+    per_task = [2 * math.ceil(size / 1000) for size in split_mnist.train_sizes]
+    assert split_mnist.eval_points == tuple(itertools.accumulate(per_task))
+    tasks = [int(t.unique()) for t, _ in calls]
+    assert tasks == [task for task, count in enumerate(per_task) for _ in range(count)]
+    for task, count in enumerate(per_task):  # every example of the pair once per epoch
+        start = sum(per_task[:task])
+        first_epoch = torch.cat([indices for _, indices in calls[start : start + count // 2]])
+        assert torch.equal(first_epoch.sort().values, torch.arange(split_mnist.train_sizes[task]))
+    assert all(set(batch.y.tolist()) <= {0, 1} for _, batch in batches)
+    with pytest.raises(ValueError, match="num_tasks"):
+        SplitMNIST(PermutedMNIST(num_tasks=1), num_tasks=6)
+    with pytest.raises(ValueError, match="num_tasks=1"):
+        SplitMNIST(PermutedMNIST(num_tasks=2))
 
 
 # --- vision mix ---------------------------------------------------------------------------------------------

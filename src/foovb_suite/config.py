@@ -20,14 +20,15 @@ from .data.datasets import DATASET_NAMES
 
 __all__ = ["ConfigError", "Config", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
 
-SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix")
+SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix", "split_mnist")
 PERMUTED_MNIST = SCENARIOS[:2]
+MNIST_STREAMS = (*PERMUTED_MNIST, "split_mnist")
 # scenario keys read by some scenarios only; the others must leave them at their defaults
 SCENARIO_KEYS = {
-    "epochs_per_task": ("discrete_permuted_mnist", "vision_mix"),
+    "epochs_per_task": ("discrete_permuted_mnist", "vision_mix", "split_mnist"),
     "iterations_per_task": ("continuous_permuted_mnist",),
-    "pad_to_32": PERMUTED_MNIST,
-    "normalization": PERMUTED_MNIST,
+    "pad_to_32": MNIST_STREAMS,
+    "normalization": MNIST_STREAMS,
     "train_subset": ("discrete_permuted_mnist",),
     "eval_every": ("continuous_permuted_mnist",),
     "data_dir": ("vision_mix",),
@@ -43,7 +44,7 @@ class ConfigError(ValueError):
 class ScenarioConfig:
     kind: str = "discrete_permuted_mnist"
     num_tasks: int = 10
-    epochs_per_task: int = 20  # discrete permuted MNIST and vision mix
+    epochs_per_task: int = 20  # discrete permuted MNIST, vision mix and split MNIST
     iterations_per_task: int = 20 * 469  # continuous permuted MNIST
     batch_size: int = 128
     pad_to_32: bool = False
@@ -60,6 +61,7 @@ class ScenarioConfig:
 class ModelConfig:
     kind: str = "mlp"
     hidden: list[int] = field(default_factory=lambda: [100, 100])
+    bias: bool = True  # mlp: biases in every layer (MESU's comparison network has none)
 
 
 @dataclass
@@ -165,6 +167,8 @@ def validate(config: Config) -> Config:
         if s.num_tasks > len(s.datasets):
             raise ConfigError(f"scenario.num_tasks: {s.num_tasks} tasks, but scenario.datasets lists "
                               f"{len(s.datasets)} datasets (one per task)")
+    if s.kind == "split_mnist" and s.num_tasks > 5:
+        raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
     if s.kind == "vision_mix" and s.joint:
         raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
                           "(not supported)")
@@ -174,6 +178,8 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
     if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:
         raise ConfigError("model.hidden: the lenet model has fixed layers; hidden sizes are for the mlp")
+    if config.model.kind == "lenet" and not config.model.bias:
+        raise ConfigError("model.bias: the lenet model has fixed layers; bias: false is for the mlp")
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
     _positive("threads", config.threads)

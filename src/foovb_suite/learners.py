@@ -20,8 +20,10 @@ from foovb.predict import Predictions, predict
 from foovb.validation import is_boolean, is_integer
 
 from .baselines import BASELINES, head_logits, make_baseline
+from .mesu import MESULearner
 
-__all__ = ["Learner", "FOOVBLearner", "learner_hyperparameters", "make_learner", "make_model", "LEARNERS", "MODELS"]
+__all__ = ["Learner", "FOOVBLearner", "MESULearner", "learner_hyperparameters", "make_learner", "make_model",
+           "LEARNERS", "MODELS"]
 
 
 class Learner(Protocol):
@@ -112,7 +114,7 @@ class FOOVBLearner:
         self.optimizer.load_state_dict(state["optimizer"])  # also loads the means into the model
 
 
-LEARNERS = ("foovb", *BASELINES)
+LEARNERS = ("foovb", "mesu", *BASELINES)
 OPTIMIZER_OPTIONS = tuple(PRESETS["paper"]["diagonal"])  # the hyperparameters a preset sets
 
 
@@ -127,7 +129,7 @@ def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[
     explicitly compare equal)."""
     if kind not in LEARNERS:
         raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
-    signature = inspect.signature(FOOVBLearner if kind == "foovb" else BASELINES[kind])
+    signature = inspect.signature({"foovb": FOOVBLearner, "mesu": MESULearner}.get(kind) or BASELINES[kind])
     defaults = {name: p.default for name, p in signature.parameters.items()
                 if p.default is not p.empty and p.kind is not p.VAR_KEYWORD}
     if kind == "foovb":
@@ -140,13 +142,14 @@ def learner_hyperparameters(kind: str, hyperparameters: dict[str, Any]) -> dict[
 
 def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_head: int = 10,
                  seed: int = 0, **hyperparameters: Any) -> Learner:
-    """Build a learner by name ("foovb" or a baseline of `foovb_suite.baselines`); bad names/arguments -> ValueError."""
-    if kind == "foovb":
+    """Build a learner by name ("foovb", "mesu" or a baseline of `foovb_suite.baselines`); bad names/arguments ->
+    ValueError."""
+    if kind in ("foovb", "mesu"):
         try:
-            return FOOVBLearner(model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed,
-                                **hyperparameters)
+            return (FOOVBLearner if kind == "foovb" else MESULearner)(
+                model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed, **hyperparameters)
         except TypeError as error:  # an unknown keyword
-            raise ValueError(f"learner foovb: {error}") from error
+            raise ValueError(f"learner {kind}: {error}") from error
     if kind not in BASELINES:
         raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
     if "seed" in inspect.signature(BASELINES[kind]).parameters:  # e.g. online EWC's Fisher labels
@@ -154,14 +157,16 @@ def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_he
     return make_baseline(kind, model, num_heads=num_heads, classes_per_head=classes_per_head, **hyperparameters)
 
 
-def mlp(input_size: int, hidden: Sequence[int] = (100, 100), num_classes: int = 10) -> nn.Sequential:
-    """The paper's fully connected ReLU network (784-100-100-10 discrete, 1024-200-200-10 continuous)."""
+def mlp(input_size: int, hidden: Sequence[int] = (100, 100), num_classes: int = 10,
+        bias: bool = True) -> nn.Sequential:
+    """The paper's fully connected ReLU network (784-100-100-10 discrete, 1024-200-200-10 continuous); MESU's
+    comparison uses one without biases."""
     layers: list[nn.Module] = [nn.Flatten()]
     width = input_size
     for size in hidden:
-        layers += [nn.Linear(width, size), nn.ReLU()]
+        layers += [nn.Linear(width, size, bias=bias), nn.ReLU()]
         width = size
-    layers.append(nn.Linear(width, num_classes))
+    layers.append(nn.Linear(width, num_classes, bias=bias))
     return nn.Sequential(*layers)
 
 
@@ -182,9 +187,11 @@ MODELS = ("mlp", "lenet")
 
 
 def make_model(kind: str, input_shape: Sequence[int], num_classes: int, num_heads: int = 1,
-               hidden: Sequence[int] = (100, 100)) -> nn.Module:
+               hidden: Sequence[int] = (100, 100), bias: bool = True) -> nn.Module:
     if kind == "mlp":
-        return mlp(int(np.prod(input_shape)), hidden, num_classes * num_heads)
+        return mlp(int(np.prod(input_shape)), hidden, num_classes * num_heads, bias)
+    if not bias:
+        raise ValueError(f"model.bias: false is supported by the mlp model only, not {kind!r}")
     if kind == "lenet":
         return lenet(input_shape, num_heads, num_classes)
     raise ValueError(f"unknown model {kind!r}; known: {', '.join(MODELS)}")

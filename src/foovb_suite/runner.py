@@ -55,12 +55,16 @@ def build_scenario(config: Config):
         DiscretePermutedMNIST,
         JointStream,
         PermutedMNIST,
+        SplitMNIST,
         VisionMix,
     )
 
     s = config.scenario
     if s.kind == "vision_mix":
         scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed)
+    elif s.kind == "split_mnist":
+        images = PermutedMNIST(1, s.seed, s.pad_to_32, s.normalization)
+        scenario = SplitMNIST(images, s.num_tasks, s.epochs_per_task, s.batch_size, s.seed)
     else:
         benchmark = PermutedMNIST(s.num_tasks, s.seed, s.pad_to_32, s.normalization)
         if s.kind == "discrete_permuted_mnist":
@@ -90,7 +94,7 @@ def build_learner(config: Config, scenario, device: torch.device) -> Learner:
     torch.manual_seed(config.seed)
     num_heads = scenario.num_tasks if scenario.task_aware else 1
     model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
-                       config.model.hidden).to(device)
+                       config.model.hidden, config.model.bias).to(device)
     try:
         return make_learner(kind, model, num_heads=num_heads, classes_per_head=scenario.num_classes,
                             seed=config.seed, **params)

@@ -6,6 +6,7 @@ scenarios the runner never shows it ``Batch.task`` either (see ``docs/ARCHITECTU
 
 * :class:`DiscretePermutedMNIST`: permuted-MNIST tasks one after another, boundaries hidden from the learner.
 * :class:`ContinuousPermutedMNIST`: tasks fade into each other, so no boundary exists at all.
+* :class:`SplitMNIST`: digit pairs one after another, one 2-way output shared by all (domain-incremental).
 * :class:`VisionMix`: the task-aware sequence MNIST, notMNIST, Fashion-MNIST, SVHN, CIFAR-10.
 * :class:`JointStream`: the joint-training ("offline") oracle on any of the above.
 
@@ -298,6 +299,48 @@ class DiscretePermutedMNIST(_PermutedMNISTStream, _SequentialTaskStream):
             raise ValueError(f"train_subset must be in [1, {benchmark.num_train}], got {train_subset}")
         self.benchmark = benchmark
         super().__init__((num_train,) * benchmark.num_tasks, epochs_per_task, batch_size, seed)
+
+
+class SplitMNIST(_SequentialTaskStream):
+    """Domain-incremental, task-agnostic Split MNIST (Hsu et al. 2018, "Re-evaluating continual learning
+    scenarios", incremental-domain Split MNIST): task ``t`` holds the digits ``2t`` and ``2t + 1`` and asks
+    "first or second digit of the pair?", so every task shares one 2-way output (label ``digit - 2t``, i.e.
+    ``digit % 2``) and the learner is never told which pair it sees. Tasks come one after another,
+    ``epochs_per_task`` epochs each (Hsu et al.: 4, batch 128, 32x32 zero-padded images standardised with
+    0.1000 / 0.2752, a 1024-400-400-2 MLP); ``num_tasks`` <= 5 keeps the first pairs.
+
+    ``images``: a one-task :class:`PermutedMNIST` (the identity permutation), which loads, pads and scales the
+    images.
+    """
+
+    task_aware = False
+    num_classes = 2
+
+    def __init__(self, images: PermutedMNIST, num_tasks: int = 5, epochs_per_task: int = 4, batch_size: int = 128,
+                 seed: int = 0) -> None:
+        if images.num_tasks != 1:
+            raise ValueError("SplitMNIST reads unpermuted images: pass PermutedMNIST(num_tasks=1, ...)")
+        if not 1 <= num_tasks <= 5:
+            raise ValueError(f"Split MNIST has 5 digit pairs; num_tasks must be in [1, 5], got {num_tasks}")
+        self.images = images
+        self.train_rows = [torch.nonzero(images.train_labels // 2 == task).flatten() for task in range(num_tasks)]
+        self.test_rows = [torch.nonzero(images.test_labels // 2 == task).flatten() for task in range(num_tasks)]
+        super().__init__([len(rows) for rows in self.train_rows], epochs_per_task, batch_size, seed)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.images.input_shape
+
+    def _examples(self, pixels: Tensor, labels: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        return self.images.encode(pixels[rows], 0), labels[rows] % 2
+
+    def train_batch(self, tasks: Tensor, indices: Tensor) -> Batch:
+        return _gather_by_task(tasks, indices, lambda task, rows: self._examples(
+            self.images.train_pixels, self.images.train_labels, self.train_rows[task][rows]))
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        """The test images of the task's two digits, labelled 0 / 1."""
+        return self._examples(self.images.test_pixels, self.images.test_labels, self.test_rows[task])
 
 
 class ContinuousPermutedMNIST(_PermutedMNISTStream):
