@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from foovb_suite import scenarios
 from foovb_suite.data import ImageDataset, load_mnist
 from foovb_suite.learners import make_learner, make_model
 from foovb_suite.scenarios import (
@@ -17,6 +18,7 @@ from foovb_suite.scenarios import (
     DiscretePermutedMNIST,
     JointStream,
     PermutedMNIST,
+    RotatedMNIST,
     SplitMNIST,
     VisionMix,
 )
@@ -246,7 +248,7 @@ def small_vision_datasets() -> list[ImageDataset]:
     return [dataset("gray", (1, 28, 28), 50, 6), dataset("color", (3, 32, 32), 30, 4)]
 
 
-@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint"])
+@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint", "rotated"])
 def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
     def make(seed: int):
         if kind == "discrete":
@@ -257,6 +259,9 @@ def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
             return ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=8, batch_size=32, seed=seed)
         if kind == "vision":
             return VisionMix(small_vision_datasets(), epochs_per_task=2, batch_size=16, seed=seed)
+        if kind == "rotated":
+            return RotatedMNIST(PermutedMNIST(num_tasks=1), num_tasks=2, iterations_per_task=4, batch_size=16,
+                                seed=seed)
         scenario = DiscretePermutedMNIST(permuted_mnist, epochs_per_task=2, batch_size=64, train_subset=100)
         return JointStream(scenario, seed=seed)
 
@@ -322,6 +327,49 @@ def test_split_mnist_stream_visits_each_pair_for_its_epochs_in_order(split_mnist
         SplitMNIST(PermutedMNIST(num_tasks=1), num_tasks=6)
     with pytest.raises(ValueError, match="num_tasks=1"):
         SplitMNIST(PermutedMNIST(num_tasks=2))
+
+
+# --- rotated MNIST -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rotated_mnist() -> RotatedMNIST:
+    return RotatedMNIST(PermutedMNIST(num_tasks=1, pad_to_32=True), num_tasks=4, iterations_per_task=5,
+                        batch_size=8, max_angle=120.0, seed=2)
+
+
+def test_rotated_mnist_angle_schedule_and_task_angles(rotated_mnist):
+    assert rotated_mnist.num_iterations == 20 and rotated_mnist.eval_points == (5, 10, 15, 20)
+    assert [rotated_mnist.angle(i) for i in (0, 1, 10, 19)] == [0.0, 6.0, 60.0, 114.0]
+    assert [rotated_mnist.task_angle(t) for t in range(4)] == [15.0, 45.0, 75.0, 105.0]  # middles of the periods
+    batches = list(rotated_mnist.batches())
+    upright = rotated_mnist.images
+    for iteration, batch in batches[::7]:
+        indices = torch.randperm(60000, generator=scenarios._generator(2, scenarios._ITERATION_SAMPLE, iteration))[:8]
+        assert torch.equal(batch.y, upright.train_labels[indices])
+        assert torch.equal(batch.task, torch.full((8,), iteration // 5))
+        x = upright.encode(upright.train_pixels[indices], 0)
+        torch.testing.assert_close(batch.x, rotated_mnist.rotate(x, 6.0 * iteration))
+
+
+def test_rotation_is_exact_at_right_angles_and_keeps_black_outside(rotated_mnist):
+    x, _ = rotated_mnist.images.test_set(0)
+    x = x[:5]
+    images = x.reshape(5, 32, 32)
+    torch.testing.assert_close(rotated_mnist.rotate(x, 0.0), x)
+    torch.testing.assert_close(rotated_mnist.rotate(x, 360.0), x, atol=1e-5, rtol=0)
+    # counter-clockwise as displayed (row 0 at the top): numpy/torch rot90
+    torch.testing.assert_close(rotated_mnist.rotate(x, 90.0).reshape(5, 32, 32), torch.rot90(images, 1, (1, 2)),
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(rotated_mnist.rotate(x, 180.0).reshape(5, 32, 32), images.flip(1, 2),
+                               atol=1e-5, rtol=0)
+    black = images[0, 0, 0]
+    turned = rotated_mnist.rotate(x, 45.0).reshape(5, 32, 32)
+    torch.testing.assert_close(turned[:, 0, 0], black.expand(5))  # a corner that came from outside the image
+    test_x, test_y = rotated_mnist.test_set(2)
+    torch.testing.assert_close(test_x[:5], rotated_mnist.rotate(x, 75.0))
+    assert torch.equal(test_y, rotated_mnist.images.test_labels)
+    with pytest.raises(ValueError, match="max_angle"):
+        RotatedMNIST(rotated_mnist.images, max_angle=0.0)
 
 
 # --- vision mix ---------------------------------------------------------------------------------------------

@@ -20,17 +20,20 @@ from .data.datasets import DATASET_NAMES
 
 __all__ = ["ConfigError", "Config", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
 
-SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix", "split_mnist")
+SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix", "split_mnist",
+             "rotated_mnist")
 PERMUTED_MNIST = SCENARIOS[:2]
-MNIST_STREAMS = (*PERMUTED_MNIST, "split_mnist")
+MNIST_STREAMS = (*PERMUTED_MNIST, "split_mnist", "rotated_mnist")
+CONTINUOUS = ("continuous_permuted_mnist", "rotated_mnist")  # streams evaluated by iteration, not by task
 # scenario keys read by some scenarios only; the others must leave them at their defaults
 SCENARIO_KEYS = {
     "epochs_per_task": ("discrete_permuted_mnist", "vision_mix", "split_mnist"),
-    "iterations_per_task": ("continuous_permuted_mnist",),
+    "iterations_per_task": CONTINUOUS,
+    "max_angle": ("rotated_mnist",),
     "pad_to_32": MNIST_STREAMS,
     "normalization": MNIST_STREAMS,
     "train_subset": ("discrete_permuted_mnist",),
-    "eval_every": ("continuous_permuted_mnist",),
+    "eval_every": CONTINUOUS,
     "data_dir": ("vision_mix",),
     "datasets": ("vision_mix",),
 }
@@ -45,7 +48,8 @@ class ScenarioConfig:
     kind: str = "discrete_permuted_mnist"
     num_tasks: int = 10
     epochs_per_task: int = 20  # discrete permuted MNIST, vision mix and split MNIST
-    iterations_per_task: int = 20 * 469  # continuous permuted MNIST
+    iterations_per_task: int = 20 * 469  # continuous permuted MNIST and rotated MNIST (one period)
+    max_angle: float = 180.0  # rotated MNIST: the rotation reached at the end of the stream, in degrees
     batch_size: int = 128
     pad_to_32: bool = False
     normalization: str = "standard"  # permuted MNIST inputs: "standard" (zero mean, unit variance), "none" ([0,1])
@@ -167,6 +171,8 @@ def validate(config: Config) -> Config:
         if s.num_tasks > len(s.datasets):
             raise ConfigError(f"scenario.num_tasks: {s.num_tasks} tasks, but scenario.datasets lists "
                               f"{len(s.datasets)} datasets (one per task)")
+    if not 0 < s.max_angle <= 360:
+        raise ConfigError(f"scenario.max_angle: must be in (0, 360] degrees, got {s.max_angle}")
     if s.kind == "split_mnist" and s.num_tasks > 5:
         raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
     if s.kind == "vision_mix" and s.joint:

@@ -38,7 +38,7 @@ from foovb import FOOVB, distributed
 
 from . import metrics, plots
 from .baselines import BASELINES
-from .config import EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
+from .config import CONTINUOUS, EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 
@@ -55,6 +55,7 @@ def build_scenario(config: Config):
         DiscretePermutedMNIST,
         JointStream,
         PermutedMNIST,
+        RotatedMNIST,
         SplitMNIST,
         VisionMix,
     )
@@ -62,6 +63,10 @@ def build_scenario(config: Config):
     s = config.scenario
     if s.kind == "vision_mix":
         scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed)
+    elif s.kind == "rotated_mnist":
+        images = PermutedMNIST(1, s.seed, s.pad_to_32, s.normalization)
+        scenario = RotatedMNIST(images, s.num_tasks, s.iterations_per_task, s.batch_size, s.max_angle, s.seed,
+                                s.eval_every)
     elif s.kind == "split_mnist":
         images = PermutedMNIST(1, s.seed, s.pad_to_32, s.normalization)
         scenario = SplitMNIST(images, s.num_tasks, s.epochs_per_task, s.batch_size, s.seed)
@@ -118,7 +123,7 @@ def resolve_device(name: str) -> torch.device:
 
 def task_ends(config: Config, scenario) -> list[int]:
     """Iteration count at which each task's period ends (stage boundaries for "tasks seen so far")."""
-    if config.scenario.kind == "continuous_permuted_mnist":
+    if config.scenario.kind in CONTINUOUS:
         d = config.scenario.iterations_per_task
         return [(t + 1) * d for t in range(scenario.num_tasks)]
     inner = getattr(scenario, "scenario", scenario)  # JointStream wraps the sequential scenario
@@ -128,7 +133,7 @@ def task_ends(config: Config, scenario) -> list[int]:
 def tasks_seen(records: list[dict], config: Config) -> list[float]:
     """The x values of the curve plots: the task count at each evaluation (stage + 1), fractional in the
     continuous scenario, whose evaluations every `eval_every` iterations fall inside task periods."""
-    if config.scenario.kind == "continuous_permuted_mnist":
+    if config.scenario.kind in CONTINUOUS:
         return [r["iteration"] / config.scenario.iterations_per_task for r in records]
     return [r["stage"] + 1 for r in records]
 

@@ -6,6 +6,7 @@ scenarios the runner never shows it ``Batch.task`` either (see ``docs/ARCHITECTU
 
 * :class:`DiscretePermutedMNIST`: permuted-MNIST tasks one after another, boundaries hidden from the learner.
 * :class:`ContinuousPermutedMNIST`: tasks fade into each other, so no boundary exists at all.
+* :class:`RotatedMNIST`: the images turn a little at every step, a drift without tasks.
 * :class:`SplitMNIST`: digit pairs one after another, one 2-way output shared by all (domain-incremental).
 * :class:`VisionMix`: the task-aware sequence MNIST, notMNIST, Fashion-MNIST, SVHN, CIFAR-10.
 * :class:`JointStream`: the joint-training ("offline") oracle on any of the above.
@@ -403,6 +404,85 @@ class ContinuousPermutedMNIST(_PermutedMNISTStream):
             )
             indices = torch.randperm(self.benchmark.num_train, generator=generator)[: self.batch_size]
             yield iteration, self.train_batch(tasks, indices)
+
+
+class RotatedMNIST:
+    """Gradually rotated MNIST, a drift without tasks: at iteration ``i`` of ``n = T * D`` every training image
+    is shown rotated by ``angle(i) = max_angle * i / n`` degrees (counter-clockwise, about the image centre,
+    bilinear, zeros outside), so the input distribution turns continuously from upright to ``max_angle``. Each
+    batch is drawn without replacement from the whole training set, independently for every batch. For
+    evaluation the stream is cut into ``T`` periods of ``D = iterations_per_task`` iterations; "task" ``t`` is
+    the test set rotated by the angle at the middle of period ``t``, ``(t + 1/2) * max_angle / T``, so that the
+    first task measures how much of the upright digits survives the drift. ``images``: a one-task
+    :class:`PermutedMNIST` (the identity permutation), which loads, pads and scales the images (zero-padded
+    32x32 images keep the corners of a rotated digit).
+    """
+
+    task_aware = False
+    num_classes = 10
+
+    def __init__(self, images: PermutedMNIST, num_tasks: int = 10, iterations_per_task: int = 1000,
+                 batch_size: int = 128, max_angle: float = 180.0, seed: int = 0,
+                 eval_every: int | None = None) -> None:
+        if images.num_tasks != 1:
+            raise ValueError("RotatedMNIST reads unpermuted images: pass PermutedMNIST(num_tasks=1, ...)")
+        eval_every = iterations_per_task if eval_every is None else eval_every
+        _check_positive(num_tasks=num_tasks, iterations_per_task=iterations_per_task, batch_size=batch_size,
+                        eval_every=eval_every)
+        _check_seed(seed)
+        if not (math.isfinite(max_angle) and 0 < max_angle <= 360):
+            raise ValueError(f"max_angle must be in (0, 360] degrees, got {max_angle}")
+        self.images = images
+        self.num_tasks, self.iterations_per_task, self.batch_size = num_tasks, iterations_per_task, batch_size
+        self.max_angle, self.seed = float(max_angle), seed
+        self.num_iterations = num_tasks * iterations_per_task
+        self.train_sizes = (images.num_train,) * num_tasks
+        self.eval_points = tuple(sorted({*range(eval_every, self.num_iterations + 1, eval_every),
+                                         *range(iterations_per_task, self.num_iterations + 1, iterations_per_task)}))
+        self.side = math.isqrt(images.input_shape[0])
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.images.input_shape
+
+    def angle(self, iteration: int) -> float:
+        """Rotation in degrees of the training images at ``iteration``."""
+        return self.max_angle * iteration / self.num_iterations
+
+    def task_angle(self, task: int) -> float:
+        """Rotation in degrees of the test set of ``task``: the angle at the middle of its period."""
+        return self.max_angle * (task + 0.5) / self.num_tasks
+
+    def rotate(self, x: Tensor, degrees: float) -> Tensor:
+        """Model inputs ``x`` (r, side * side) rotated counter-clockwise by ``degrees`` about the image centre;
+        what falls outside the image is the value of a black pixel."""
+        radians = math.radians(degrees)
+        cos, sin = math.cos(radians), math.sin(radians)
+        # grid_sample reads output pixel (u, v) from input (cos u - sin v, sin u + cos v) in normalised
+        # (x right, y down) coordinates: the image content turns counter-clockwise on screen
+        theta = torch.tensor([[cos, -sin, 0.0], [sin, cos, 0.0]], dtype=x.dtype).expand(len(x), 2, 3)
+        black = self.images.encode(torch.zeros(1, self.side * self.side, dtype=torch.uint8), 0)[0, 0].item()
+        images = x.reshape(-1, 1, self.side, self.side) - black  # black pixels become 0 so zero padding is black
+        grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+        return (F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+                + black).reshape(len(x), -1)
+
+    def train_batch(self, tasks: Tensor, indices: Tensor, degrees: float = 0.0) -> Batch:
+        """Training images ``indices`` rotated by ``degrees``; ``tasks`` holds their periods."""
+        x = self.images.encode(self.images.train_pixels[indices], 0)
+        return Batch(self.rotate(x, degrees), self.images.train_labels[indices], tasks)
+
+    def test_set(self, task: int) -> tuple[Tensor, Tensor]:
+        x, y = self.images.test_set(0)
+        return self.rotate(x, self.task_angle(task)), y
+
+    def batches(self, start_iteration: int = 0) -> Iterator[tuple[int, Batch]]:
+        _check_start(start_iteration, self.num_iterations)
+        for iteration in range(start_iteration, self.num_iterations):
+            generator = _generator(self.seed, _ITERATION_SAMPLE, iteration)
+            indices = torch.randperm(self.images.num_train, generator=generator)[: self.batch_size]
+            period = torch.full_like(indices, iteration // self.iterations_per_task)
+            yield iteration, self.train_batch(period, indices, self.angle(iteration))
 
 
 class VisionMix(_SequentialTaskStream):
