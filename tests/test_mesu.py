@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,13 +164,14 @@ def _saved(state):
 
 @pytest.mark.parametrize("arguments, match", [
     (dict(mc_samples=0), "mc_samples"), (dict(memory=0), "memory"), (dict(prior_std=-1.0), "prior_std"),
-    (dict(clip=-1.0), "clip"), (dict(init="paper"), "init"), (dict(init="keep"), "std_init"),
+    (dict(clip=-1.0), "clip"), (dict(prior_std=float("inf")), "prior_std"), (dict(memory=float("nan")), "memory"),
+    (dict(init="paper"), "init"), (dict(init="keep"), "std_init"),
     (dict(std_init=0.1), "std_init"), (dict(mean_step="1"), "mean_step"), (dict(eval_samples=-1), "eval_samples"),
 ])
 def test_bad_hyperparameters_are_refused(arguments, match) -> None:
     with pytest.raises(ValueError, match=match):
         MESULearner(_tiny_model(), **arguments)
-    with pytest.raises(ValueError, match="mesu"):
+    with pytest.raises(ValueError, match="unknown hyper-parameter.*lr.*accepted: mc_samples, mean_step"):
         make_learner("mesu", _tiny_model(), lr=0.1)
 
 
@@ -191,6 +193,15 @@ def test_mesu_learns_permuted_mnist_far_above_chance(tmp_path) -> None:
     assert summary["modes"]["bma"]["average_accuracy"] > 0.65
     assert summary["modes"]["mean"]["first_task_accuracy"] > 0.55
     assert "bias: false" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_scientific_notation_in_configs_and_overrides_is_a_number() -> None:
+    config = config_from_dict(apply_overrides(json.loads(json.dumps(MESU_QUICK)), ["learner.params.memory=1e6"]))
+    assert config.learner.params["memory"] == 1e6
+    from foovb_suite.config import load_config
+
+    assert load_config(Path(__file__).parents[1] / "configs" / "mesu_protocol_mesu.yaml").learner.params["memory"] \
+        == 5.8e6
 
 
 def test_model_bias_option() -> None:

@@ -372,6 +372,17 @@ def test_rotation_is_exact_at_right_angles_and_keeps_black_outside(rotated_mnist
         RotatedMNIST(rotated_mnist.images, max_angle=0.0)
 
 
+def test_rotated_joint_oracle_trains_on_every_task_angle(rotated_mnist, monkeypatch):
+    calls = record_indices(monkeypatch, rotated_mnist)
+    _, batch = next(iter(JointStream(rotated_mnist, seed=1).batches()))
+    tasks, indices = calls[0]
+    assert len(tasks.unique()) > 1  # the periods mixed in one batch
+    upright = rotated_mnist.images
+    x = upright.encode(upright.train_pixels[indices], 0)
+    for k, task in enumerate(tasks.tolist()):  # each image turned by its task's test angle, 15 + 30 t degrees
+        torch.testing.assert_close(batch.x[k], rotated_mnist.rotate(x[k : k + 1], 15.0 + 30.0 * task)[0])
+
+
 # --- vision mix ---------------------------------------------------------------------------------------------
 
 

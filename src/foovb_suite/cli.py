@@ -160,7 +160,7 @@ def _compare(args: argparse.Namespace) -> int:
     for name, r in zip(names, runs, strict=True):
         s, config = r["summary"], r["config"]
         kind = config["learner"]["kind"]
-        mc = learner_hyperparameters(kind, config["learner"]["params"])["mc_samples"] if kind == "foovb" else "-"
+        mc = learner_hyperparameters(kind, config["learner"]["params"]).get("mc_samples", "-")
         stages = tasks_seen(r["records"], config_from_dict(config))
         drawn_run = args.plot_runs is None or name in args.plot_runs
         for mode, entry in s["modes"].items():

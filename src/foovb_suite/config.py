@@ -39,6 +39,15 @@ SCENARIO_KEYS = {
 }
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading ``1e6`` and ``5.8e6`` as numbers (YAML 1.1 leaves them strings; 1.2 does not)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message starts with the offending key."""
 
@@ -223,7 +232,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Loader)  # a SafeLoader
     except yaml.YAMLError as error:
         raise ConfigError(f"{where}: invalid YAML ({' '.join(str(error).split())})") from error
 

@@ -144,12 +144,21 @@ def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_he
                  seed: int = 0, **hyperparameters: Any) -> Learner:
     """Build a learner by name ("foovb", "mesu" or a baseline of `foovb_suite.baselines`); bad names/arguments ->
     ValueError."""
-    if kind in ("foovb", "mesu"):
+    if kind == "mesu":
+        accepted = [name for name in inspect.signature(MESULearner).parameters
+                    if name not in ("model", "num_heads", "classes_per_head", "seed")]
+        unknown = sorted(set(hyperparameters) - set(accepted))
+        if unknown:
+            raise ValueError(f"unknown hyper-parameter(s) {', '.join(unknown)} for learner 'mesu'; "
+                             f"accepted: {', '.join(accepted)}")
+        return MESULearner(model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed,
+                           **hyperparameters)
+    if kind == "foovb":
         try:
-            return (FOOVBLearner if kind == "foovb" else MESULearner)(
-                model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed, **hyperparameters)
+            return FOOVBLearner(model, num_heads=num_heads, classes_per_head=classes_per_head, seed=seed,
+                                **hyperparameters)
         except TypeError as error:  # an unknown keyword
-            raise ValueError(f"learner {kind}: {error}") from error
+            raise ValueError(f"learner foovb: {error}") from error
     if kind not in BASELINES:
         raise ValueError(f"unknown learner {kind!r}; known: {', '.join(LEARNERS)}")
     if "seed" in inspect.signature(BASELINES[kind]).parameters:  # e.g. online EWC's Fisher labels

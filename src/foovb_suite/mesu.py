@@ -100,19 +100,19 @@ class MESULearner:
             raise ValueError(f"eval_samples must be an integer >= 0, got {eval_samples!r}")
         for name, value in (("mean_step", mean_step), ("std_step", std_step), ("prior_std", prior_std),
                             ("memory", memory)):
-            if not (is_real(value) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        if not (is_real(clip) and clip >= 0):
-            raise ValueError(f"clip must be a number >= 0, got {clip!r}")
-        if not is_real(prior_mean):
-            raise ValueError(f"prior_mean must be a number, got {prior_mean!r}")
+            if not (is_real(value) and 0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (is_real(clip) and 0 <= clip < math.inf):
+            raise ValueError(f"clip must be a finite number >= 0, got {clip!r}")
+        if not (is_real(prior_mean) and math.isfinite(prior_mean)):
+            raise ValueError(f"prior_mean must be a finite number, got {prior_mean!r}")
         if init not in ("mesu", "keep"):
             raise ValueError(f"init must be 'mesu' or 'keep', got {init!r}")
         if (init == "keep") != (std_init is not None):
             raise ValueError("std_init is the initial sigma of init='keep' (and only of it): "
                              f"got init={init!r}, std_init={std_init!r}")
-        if std_init is not None and not (is_real(std_init) and std_init > 0):
-            raise ValueError(f"std_init must be a number > 0, got {std_init!r}")
+        if std_init is not None and not (is_real(std_init) and 0 < std_init < math.inf):
+            raise ValueError(f"std_init must be a finite number > 0, got {std_init!r}")
         self.model = model
         self.mc_samples, self.eval_samples = int(mc_samples), int(eval_samples)
         self.hyperparameters = dict(mean_step=float(mean_step), std_step=float(std_step),
@@ -120,7 +120,7 @@ class MESULearner:
                                     memory=float(memory), clip=float(clip))
         self.num_heads, self.classes_per_head, self.seed = num_heads, classes_per_head, seed
         self.means: dict[str, nn.Parameter] = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        self.generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # on the CPU: the same draws, and checkpoints, anywhere
         self.stds = self._initial_stds(init, std_init)
         self.sigma_reflections = 0
         """how many times a step took some sigma past zero (module docstring)"""
@@ -135,14 +135,14 @@ class MESULearner:
         with torch.no_grad():
             for name, mean in self.means.items():
                 limit = 4.0 / math.sqrt(_fan_in(mean, owners[name]))
-                noise = torch.rand(mean.shape, generator=self.generator, device=mean.device, dtype=mean.dtype)
+                noise = torch.rand(mean.shape, generator=self.generator, dtype=mean.dtype).to(mean.device)
                 mean.copy_((2 * noise - 1) * limit)
                 stds[name] = torch.full_like(mean, limit / 2)
         return stds
 
     def _sampled(self, generator: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """One sampled network ``mu + sigma * eps``: ``(weights, eps)``."""
-        noise = {name: torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        noise = {name: torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(mean.device)
                  for name, mean in self.means.items()}
         return {name: self.means[name].detach() + self.stds[name] * noise[name] for name in noise}, noise
 
@@ -194,7 +194,7 @@ class MESULearner:
                 return torch.softmax(self._logits(weights, x, task), -1)
 
             mean = probabilities({name: p.detach() for name, p in self.means.items()})
-            generator = torch.Generator(x.device).manual_seed(self.seed + 1)
+            generator = torch.Generator().manual_seed(self.seed + 1)
             samples = ([probabilities(self._sampled(generator)[0]) for _ in range(self.eval_samples)]
                        if self.eval_samples else None)
         finally:

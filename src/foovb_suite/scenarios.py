@@ -413,7 +413,8 @@ class RotatedMNIST:
     batch is drawn without replacement from the whole training set, independently for every batch. For
     evaluation the stream is cut into ``T`` periods of ``D = iterations_per_task`` iterations; "task" ``t`` is
     the test set rotated by the angle at the middle of period ``t``, ``(t + 1/2) * max_angle / T``, so that the
-    first task measures how much of the upright digits survives the drift. ``images``: a one-task
+    first task measures how much of the first, nearly upright, digits survives the drift. The joint oracle
+    (:class:`JointStream`) trains on all ``T`` test angles mixed. ``images``: a one-task
     :class:`PermutedMNIST` (the identity permutation), which loads, pads and scales the images (zero-padded
     32x32 images keep the corners of a rotated digit).
     """
@@ -467,8 +468,13 @@ class RotatedMNIST:
         return (F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
                 + black).reshape(len(x), -1)
 
-    def train_batch(self, tasks: Tensor, indices: Tensor, degrees: float = 0.0) -> Batch:
-        """Training images ``indices`` rotated by ``degrees``; ``tasks`` holds their periods."""
+    def train_batch(self, tasks: Tensor, indices: Tensor, degrees: float | None = None) -> Batch:
+        """Training images ``indices`` rotated by ``degrees``, ``tasks`` holding their periods; without
+        ``degrees`` (the joint oracle's batches) each image is rotated by its task's test angle."""
+        if degrees is None:
+            return _gather_by_task(tasks, indices, lambda task, rows: (
+                self.rotate(self.images.encode(self.images.train_pixels[rows], 0), self.task_angle(task)),
+                self.images.train_labels[rows]))
         x = self.images.encode(self.images.train_pixels[indices], 0)
         return Batch(self.rotate(x, degrees), self.images.train_labels[indices], tasks)
 
