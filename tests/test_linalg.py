@@ -8,6 +8,7 @@ from conftest import make_generator, random_spd, random_sqrt
 from torch import Tensor
 
 from foovb.linalg import LowRank, left_singular_pairs, root_scale, solve_fixed_point, sqrt_covariance_update
+from foovb.posteriors import signed_root_scale
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -176,6 +177,22 @@ def test_root_scale_solves_its_quadratic_without_cancellation():
     big = s[-3:]  # h(s) = 1/s - 1/s^3 + O(s^-5): the naive sqrt(1 + s^2/4) - s/2 would return 0 here
     torch.testing.assert_close(h[-3:], 1 / big - 1 / big**3, rtol=1e-12, atol=0)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_signed_root_scale_solves_its_quadratic_for_both_signs(dtype: torch.dtype):
+    """The paper's diagonal sigma factor v(x) = sqrt(1 + x^2/4) - x/2 is the positive root of v^2 + x v - 1 = 0
+    for either sign of x: relative accuracy near the dtype's rounding from 1e-6 to 1e15 (no cancellation for
+    large positive x, where v ~ 1/x), v(0) = 1 and v(-x) = 1 / v(x)."""
+    magnitudes = torch.logspace(-6, 15, 43, dtype=F64)
+    x = torch.cat([-magnitudes.flip(0), torch.zeros(1, dtype=F64), magnitudes])
+    exact = torch.where(x > 0, 1 / (torch.sqrt(1 + x * x / 4) + x / 2), torch.sqrt(1 + x * x / 4) - x / 2)
+    assert bool((exact * exact + x * exact - 1).abs().le(1e-9 * (1 + x.abs() * exact)).all())  # the reference
+    value = signed_root_scale(x.to(dtype)).to(F64)
+    tolerance = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(value, exact, rtol=tolerance, atol=0)
+    assert value[43] == 1.0
+    torch.testing.assert_close(value[:43].flip(0) * value[44:], torch.ones(43, dtype=F64), rtol=tolerance, atol=0)
 
 # ---------------------------------------------------------------------------------------------------------
 # sqrt_covariance_update and LowRank

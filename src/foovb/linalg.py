@@ -45,7 +45,7 @@ __all__ = ["LowRank", "left_singular_pairs", "solve_fixed_point", "sqrt_covarian
 
 def root_scale(singular_values: Tensor) -> Tensor:
     """h(s) = sqrt(1 + s^2/4) - s/2, the positive root of h^2 + s h - 1 = 0 (written without cancellation)."""
-    return 2.0 / (torch.sqrt(4.0 + singular_values**2) + singular_values)
+    return singular_values.square().add_(4.0).sqrt_().add_(singular_values).reciprocal_().mul_(2.0)
 
 
 def _check_finite(name: str, value: Tensor) -> None:

@@ -157,7 +157,7 @@ class _PendingStep:
     stats: dict
     running: _RunningStatistics
     batch_size: int | None
-    grad_scale: float | None = None
+    grad_scale: float | None = None  # sequential samples: their loss's scale, applied to the sums at the update
     losses: list[float] = field(default_factory=list)
     count: int = 0
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
@@ -217,6 +217,13 @@ class _RunningStatistics:
         for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
             module.running_mean.copy_(mean_sum / self.count)
             module.running_var.copy_(var_sum / self.count)
+
+
+def _scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
+    """Multiply every block's Monte Carlo sums by `factor` (in place where they are tensors)."""
+    for block_stats in stats.values():
+        for key, value in block_stats.items():
+            block_stats[key] = value.scaled(factor) if isinstance(value, LowRank) else value.mul_(factor)
 
 
 def _validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
@@ -373,6 +380,8 @@ class FOOVB(torch.optim.Optimizer):
                 self._paper_init(model, random_bias=init == "bgd")
         self.blocks = self._make_blocks(model, posterior, float(settings["std_init"]), alpha, init,
                                         int(settings["max_full_params"]), layer_std)
+        # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture)
+        self._linear_kronecker = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
         self.load_mean_into_model()
 
     # Read-only views of the construction-time settings (param_groups shows them too; changing them is refused)
@@ -526,8 +535,7 @@ class FOOVB(torch.optim.Optimizer):
         """Load the network of row `row` of `noises` (from `draw_noise`) into the model."""
         with full_precision():
             for block, noise in noises.items():
-                for param, value in zip(block.params, block.sample(noise[row : row + 1]), strict=True):
-                    param.copy_(value[0])
+                block.load_sample(noise[row])
         drop_autocast_cache()
 
     # -- training --------------------------------------------------------------------------------------------
@@ -598,8 +606,8 @@ class FOOVB(torch.optim.Optimizer):
         if self._pending is not None:
             raise RuntimeError("step(closure) while sampled_params(train=True) blocks have started a step: "
                                "call step() without a closure to finish that one first")
-        for _ in self.sample_shard:
-            with self._training_sample(batch_size, reports_loss=True) as sample:
+        for _ in self.sample_shard:  # the next sample overwrites the weights: the mean is loaded by the update
+            with self._training_sample(batch_size, reports_loss=True, restore_mean=False) as sample:
                 loss = closure()
                 if not isinstance(loss, Tensor):
                     raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
@@ -641,10 +649,13 @@ class FOOVB(torch.optim.Optimizer):
             self.load_mean_into_model()
 
     @contextlib.contextmanager
-    def _training_sample(self, batch_size: int | None, reports_loss: bool) -> Iterator[_Sample]:
+    def _training_sample(self, batch_size: int | None, reports_loss: bool,
+                         restore_mean: bool = True) -> Iterator[_Sample]:
         """One Monte Carlo sample of the current step: load it, let the block run forward and backward, then
         accumulate its statistics (Algorithm 1's loop body). `reports_loss`: the caller sets `sample.loss`;
-        else it is read from the loss that backward() is called on."""
+        else it is read from the loss that backward() is called on. `restore_mean=False`: leave the sample in
+        the model after a successful block (the caller loads the next sample or updates); a failed one always
+        restores the mean."""
         pending = self._pending if self._pending is not None else self._start_step(batch_size)
         if pending.count == len(self.sample_shard):
             raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
@@ -660,8 +671,7 @@ class FOOVB(torch.optim.Optimizer):
             p.grad = None
         pending.running.restore()
         spy = _LossSpy() if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
-        linear = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
-        capture = LinearCapture(linear) if linear else None
+        capture = LinearCapture(self._linear_kronecker) if self._linear_kronecker else None
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
@@ -674,21 +684,21 @@ class FOOVB(torch.optim.Optimizer):
                 for block in self.blocks:
                     if capture is not None and self._accumulate_captured(capture, block, pending, noises[block]):
                         continue
-                    grads = [torch.zeros_like(p)[None] if p.grad is None
-                             else p.grad[None] if pending.grad_scale == 1.0 else p.grad[None] * pending.grad_scale
-                             for p in block.params]
+                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
                     block.accumulate(pending.stats[block], noises[block], grads)
             pending.count += 1
         except BaseException:
             self._pending = None  # a failed sample abandons the step: the posterior is unchanged
             pending.running.restore()
+            restore_mean = True
             raise
         finally:
             if capture is not None:
                 capture.close()
             for p in self._params():
                 p.grad = None
-            self.load_mean_into_model()
+            if restore_mean:
+                self.load_mean_into_model()
 
     @staticmethod
     def _accumulate_captured(capture: LinearCapture, block: PosteriorBlock, pending: _PendingStep,
@@ -709,8 +719,6 @@ class FOOVB(torch.optim.Optimizer):
             products.update(x_aug=x_aug, x_a=block.input_times_a(x))
         noise_pre = products["x_a"] @ noise[0].T  # X_aug A Phi^T
         psi = block.join([p.grad[None] for p in block.params])[0]  # Delta^T X_aug, already computed by backward
-        if pending.grad_scale != 1.0:
-            delta, psi = delta * pending.grad_scale, psi * pending.grad_scale
         block.accumulate_factored(pending.stats[block], noise, delta[None], x_aug, noise_pre[None], psi)
         return True
 
@@ -736,10 +744,13 @@ class FOOVB(torch.optim.Optimizer):
             pending.running.restore()
             raise RuntimeError(f"FOO-VB averages over mc_samples={self.mc_samples} samples: {pending.count} of "
                                f"{len(self.sample_shard)} sampled_params(train=True) blocks ran before step()")
+        if pending.grad_scale not in (None, 1.0):  # the sums are linear in the gradients: scaled once, here
+            _scale_statistics(pending.stats, pending.grad_scale)
         try:
             mean_loss = self._apply_update(pending.stats, pending.losses, self.mc_samples)
         except BaseException:
             pending.running.restore()  # a refused update changes nothing
+            self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
             raise
         pending.running.average()
         return mean_loss

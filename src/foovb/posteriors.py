@@ -37,15 +37,19 @@ __all__ = [
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-@contextlib.contextmanager
-def full_precision() -> Iterator[None]:
+def full_precision() -> contextlib.AbstractContextManager:
     """Autocast off inside: the posterior's own arithmetic (sampling, statistics, update) runs in the state's
     dtype even when the caller runs a step or a prediction inside `torch.autocast`, which should change the
-    model's forward and backward only."""
+    model's forward and backward only. (Outside autocast: a no-op context, entered many times per step.)"""
+    enabled = [device_type for device_type in AUTOCAST_DEVICES if torch.is_autocast_enabled(device_type)]
+    return _autocast_off(enabled) if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _autocast_off(device_types: list[str]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        for device_type in AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
+        for device_type in device_types:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -71,10 +75,13 @@ class PosteriorView:
 
 
 def signed_root_scale(x: Tensor) -> Tensor:
-    """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation: with r = sqrt(1 + x^2/4) + |x|/2,
-    the value is 1/r for x >= 0 and r for x < 0, i.e. r^(-sign x)."""
+    """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation and without branches (boolean masks cost
+    more than the arithmetic here): with h = x/2, q = sqrt(1 + h^2), p = max(h, 0), n = min(h, 0), the value
+    is (q - n) / (1 + p (q + p)): q - h for h < 0, and q / (1 + h q + h^2) = 1 / (q + h) for h >= 0."""
     half = 0.5 * x
-    return torch.pow(torch.hypot(half, torch.ones_like(half)) + half.abs(), -torch.sign(x))
+    q = half.square().add_(1.0).sqrt_()
+    positive = half.clamp_min(0.0)
+    return (q - half.clamp_max_(0.0)).div_(torch.add(q, positive).mul_(positive).add_(1.0))
 
 
 class PosteriorBlock(ABC):
@@ -97,6 +104,11 @@ class PosteriorBlock(ABC):
     @abstractmethod
     def sample(self, noise: Tensor) -> list[Tensor]:
         """TRANSFORM: per-parameter sampled values, each (K, *param.shape), from noise (K, *noise_shape)."""
+
+    def load_sample(self, noise: Tensor) -> None:
+        """Write the sample of one noise draw (shape `noise_shape`) into the parameters (no autograd)."""
+        for param, value in zip(self.params, self.sample(noise[None]), strict=True):
+            param.copy_(value[0])
 
     # -- Algorithm 1, step 4 -----------------------------------------------------------------------------
     @abstractmethod
@@ -145,30 +157,33 @@ class DiagonalBlock(PosteriorBlock):
     def sample(self, noise: Tensor) -> list[Tensor]:
         return [torch.addcmul(self.state["mean"], self.state["std"], noise)]
 
+    def load_sample(self, noise: Tensor) -> None:
+        torch.addcmul(self.state["mean"], self.state["std"], noise, out=self.params[0].data)  # one pass, no copy
+
     def new_statistics(self) -> dict:
         zeros = torch.zeros_like(self.state["mean"])
         return {"grad_sum": zeros, "grad_noise_sum": zeros.clone()}
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         (grad,) = grads
-        for grad_k, noise_k in zip(grad, noise, strict=True):  # in place: much faster than einsum (or a sum)
-            stats["grad_sum"].add_(grad_k)
-            stats["grad_noise_sum"].addcmul_(grad_k, noise_k)
+        for k in range(len(grad)):  # in place: much faster than einsum (or a sum); indexing, cheaper than unbind
+            stats["grad_sum"].add_(grad[k])
+            stats["grad_noise_sum"].addcmul_(grad[k], noise[k])
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
-        grad_mean = stats["grad_sum"] / num_samples  # E1
-        grad_noise_mean = stats["grad_noise_sum"] * (cov_step / num_samples)  # beta E2
+        grad_noise_mean = stats["grad_noise_sum"].mul_(cov_step / num_samples)  # beta E2 (the step's own sums)
         if self.cov_momentum:  # beta E2 averaged over steps, m <- rho m + (1 - rho) beta E2, from the first one
             average = self.state.get("grad_noise_average")
             if average is None:
                 self.state["grad_noise_average"] = grad_noise_mean
             else:
                 grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
-        # mu <- mu - eta sigma^2 E[g];  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
-        self.state["mean"].sub_(mean_step * std.square() * grad_mean)
+        # mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K);  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2)
+        # - sigma^2 beta E[g eps] / 2
+        self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
         if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
-            std.mul_(root_scale((std * grad_noise_mean).abs()))
+            std.mul_(root_scale(torch.mul(std, grad_noise_mean).abs_()))
         else:
             std.mul_(signed_root_scale(std * grad_noise_mean))
             if self.std_growth == "capped":  # never wider than the initial prior
@@ -277,7 +292,8 @@ class KroneckerBlock(PosteriorBlock):
         The second stays a `LowRank` of rank r (rows) when X_aug (r, n) is shared by the samples, K r when
         it is per sample (c, r, n).
 
-        Args: noise Phi (c, p, n); delta (c, r, p), the errors dL_n/dY_k (loss scale applied); x_aug (r, n)
+        Args: noise Phi (c, p, n); delta (c, r, p), the errors dL/dY_k (times the scale to L_n, or the sums scaled
+        later: they are linear in delta); x_aug (r, n)
         or (c, r, n); noise_pre = X_aug A Phi_k^T (c, r, p); psi_sum: sum_k Psi_k where the caller has it (the
         dense gradient of the sequential path), else computed from Delta and X_aug."""
         b = self.state["output_sqrt_cov"]
