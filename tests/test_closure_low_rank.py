@@ -6,6 +6,8 @@ input is shared by the samples, the later layers' are per sample), and check the
 wherever the gradient is not exactly Delta^T X_aug (a layer called twice, a weight used outside F.linear,
 clipped gradients, autograd.grad, an unused layer)."""
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,12 +43,20 @@ def batch(dtype=F64):
     return torch.randn(ROWS, 12, generator=gen, dtype=dtype), torch.randint(3, (ROWS,), generator=gen)
 
 
-def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=0, loss_reduction="auto", **net):
+def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=0, loss_reduction="auto",
+             defer=True, loads=None, **net):
     """One step(closure) of a fresh model; returns (statistics per block, posterior after, blocks that used the
-    low-rank route)."""
+    low-rank route). `defer=False`: every sampled weight is formed before the closure runs (no factored
+    forward); `loads`: a Counter that receives the layer names whose sampled weights were formed."""
     torch.manual_seed(seed)
     model = Net(**net).to(dtype)
     opt = FOOVB(model, "kronecker", mc_samples=k, seed=seed, antithetic=antithetic, loss_reduction=loss_reduction)
+    opt._defer_linear_samples = defer
+    if loads is not None:
+        for block in opt.blocks:
+            name = next(n for n, m in model.named_modules() if m is block.module)
+            original = block.load_sample
+            block.load_sample = lambda noise, original=original, name=name: (loads.update([name]), original(noise))
     recorded, factored = {}, set()
     apply_update, accumulate = opt._apply_update, opt._accumulate_captured
 
@@ -193,3 +203,83 @@ def test_hooks_removed_after_the_step():
     assert not out._backward_hooks
     F.cross_entropy(model(x), y).backward()  # a backward outside a step changes nothing of the optimizer's
     assert opt._pending is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deferred sampling: the first layer's sampled weight is never formed; its output comes in factored form
+# ---------------------------------------------------------------------------------------------------------
+def mean_loss(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+    return closure
+
+
+def reads_weights(seen):
+    """A closure that reads fc1's values around the forward (.detach(), .data): they must be the sample's."""
+    def closure_of(model, x, y):
+        def closure():
+            seen.append(model.fc1.weight.detach().clone())
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+            seen.append(model.fc1.bias.data.clone())
+            loss.backward()
+            return loss
+        return closure
+    return closure_of
+
+
+def in_another_thread(model, x, y):
+    """The forward runs in a worker thread, where the optimizer's torch function mode is not active."""
+    def closure():
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(1) as pool:
+            loss = F.cross_entropy(pool.submit(model, x).result(), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize(("closure_of", "net", "first_formed"), [
+    (summed, {}, False), (mean_loss, {}, False), (summed, {"twice": True}, False), (summed, {"unused": True}, False),
+    (weight_penalty, {}, True), (clipped, {}, False), (input_gradient_penalty, {}, True)])
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_deferred_sampling_equals_forming_every_sample(closure_of, net, first_formed, antithetic):
+    """The factored first layer (and lazily formed other layers) give the same statistics and posterior as
+    forming every sampled weight before the closure; fc1's weight is formed only where the closure uses it
+    outside its F.linear on the batch (a penalty on it, or an input that needs a gradient)."""
+    loads = Counter()
+    reduction = "sum" if closure_of in (weight_penalty, input_gradient_penalty) else "auto"  # a sum plus a penalty
+    deferred = run_step(False, closure_of, antithetic=antithetic, loads=loads, loss_reduction=reduction, **net)
+    assert_same(deferred, run_step(False, closure_of, antithetic=antithetic, defer=False, loss_reduction=reduction,
+                                   **net))
+    assert (loads["fc1"] > 0) == first_formed
+    assert loads["fc2"] == loads["fc3"] == 4  # their inputs need gradients: formed for each of the K samples
+
+
+def test_values_read_in_the_closure_are_the_samples():
+    deferred, loaded = [], []
+    loads = Counter()
+    assert_same(run_step(False, reads_weights(deferred), loads=loads),
+                run_step(False, reads_weights(loaded), defer=False))
+    assert loads["fc1"] == 4 and len(deferred) == 8  # read before the forward: formed for every sample
+    for a, b in zip(deferred, loaded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    means = run_step(False, summed)[1]["fc1"]["mean"]  # not the posterior mean: a sample
+    assert not torch.allclose(deferred[0], means[:, :12])
+
+
+def test_a_use_the_capture_cannot_see_is_redone_with_formed_samples():
+    """A forward in another thread reads the parameters unseen (unsampled values): the gradient that the
+    capture did not give is caught, the sample redone with every weight formed, and deferral stays off."""
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = FOOVB(model, "kronecker", mc_samples=4, seed=0, antithetic=False)
+    calls = []
+    closure = in_another_thread(model, *batch())
+    opt.step(lambda: calls.append(1) or closure())
+    assert len(calls) == 5 and not opt._defer_linear_samples  # the first sample twice, then formed samples
+    reference = run_step(False, in_another_thread, defer=False)[1]
+    for name, block in zip(("fc1", "fc2", "fc3"), opt.blocks, strict=True):
+        for key in block.state:
+            torch.testing.assert_close(block.state[key], reference[name][key], rtol=1e-10, atol=1e-10)

@@ -34,7 +34,7 @@ from .posteriors import (
     drop_autocast_cache,
     full_precision,
 )
-from .sampled import LinearCapture, SampledNetwork, augmented_input, check_batched_support
+from .sampled import LinearCapture, SampledNetwork, UnseenUse, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
 __all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of"]
@@ -380,8 +380,10 @@ class FOOVB(torch.optim.Optimizer):
                 self._paper_init(model, random_bias=init == "bgd")
         self.blocks = self._make_blocks(model, posterior, float(settings["std_init"]), alpha, init,
                                         int(settings["max_full_params"]), layer_std)
-        # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture)
+        # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture), and
+        # whether step(closure) defers forming their sampled weights (off for good after an unseen use)
         self._linear_kronecker = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
+        self._defer_linear_samples = True
         self.load_mean_into_model()
 
     # Read-only views of the construction-time settings (param_groups shows them too; changing them is refused)
@@ -607,11 +609,19 @@ class FOOVB(torch.optim.Optimizer):
             raise RuntimeError("step(closure) while sampled_params(train=True) blocks have started a step: "
                                "call step() without a closure to finish that one first")
         for _ in self.sample_shard:  # the next sample overwrites the weights: the mean is loaded by the update
-            with self._training_sample(batch_size, reports_loss=True, restore_mean=False) as sample:
-                loss = closure()
-                if not isinstance(loss, Tensor):
-                    raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
-                sample.loss = float(loss.detach())
+            for defer in (self._defer_linear_samples, False):
+                try:
+                    with self._training_sample(batch_size, reports_loss=True, restore_mean=False,
+                                               defer=defer) as sample:
+                        loss = closure()
+                        if not isinstance(loss, Tensor):
+                            raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                        sample.loss = float(loss.detach())
+                    break
+                except UnseenUse:  # the closure read a deferred weight unseen: redo the sample with all loaded
+                    if not defer:
+                        raise
+                    self._defer_linear_samples = False
         return self._finish_step()
 
     @contextlib.contextmanager
@@ -649,13 +659,14 @@ class FOOVB(torch.optim.Optimizer):
             self.load_mean_into_model()
 
     @contextlib.contextmanager
-    def _training_sample(self, batch_size: int | None, reports_loss: bool,
-                         restore_mean: bool = True) -> Iterator[_Sample]:
+    def _training_sample(self, batch_size: int | None, reports_loss: bool, restore_mean: bool = True,
+                         defer: bool = False) -> Iterator[_Sample]:
         """One Monte Carlo sample of the current step: load it, let the block run forward and backward, then
         accumulate its statistics (Algorithm 1's loop body). `reports_loss`: the caller sets `sample.loss`;
         else it is read from the loss that backward() is called on. `restore_mean=False`: leave the sample in
         the model after a successful block (the caller loads the next sample or updates); a failed one always
-        restores the mean."""
+        restores the mean. `defer`: the matrix-variate nn.Linear samples are formed only where needed
+        (`LinearCapture`); an unseen use raises `UnseenUse` and leaves the step's sample to be redone."""
         pending = self._pending if self._pending is not None else self._start_step(batch_size)
         if pending.count == len(self.sample_shard):
             raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
@@ -666,15 +677,19 @@ class FOOVB(torch.optim.Optimizer):
             noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic)
         pending.noises, pending.noise_of = noises, k
         sample = _Sample(k)
-        self.load_sample(noises, 0)
+        deferred = {block: noises[block] for block in self._linear_kronecker} if defer else {}
+        self.load_sample({block: noise for block, noise in noises.items() if block not in deferred}, 0)
         for p in self._params():
             p.grad = None
         pending.running.restore()
         spy = _LossSpy() if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
-        capture = LinearCapture(self._linear_kronecker) if self._linear_kronecker else None
+        capture = (LinearCapture(self._linear_kronecker, deferred, pending.factored_inputs)
+                   if self._linear_kronecker else None)
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
+            if capture is not None:
+                capture.check_seen()
             self._check_gradients()
             if pending.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 pending.grad_scale = self._loss_scale(spy.reduction, pending.batch_size)
@@ -687,6 +702,10 @@ class FOOVB(torch.optim.Optimizer):
                     grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
                     block.accumulate(pending.stats[block], noises[block], grads)
             pending.count += 1
+        except UnseenUse:  # the sample is redone (the step goes on)
+            pending.running.restore()
+            restore_mean = True
+            raise
         except BaseException:
             self._pending = None  # a failed sample abandons the step: the posterior is unchanged
             pending.running.restore()
@@ -716,8 +735,11 @@ class FOOVB(torch.optim.Optimizer):
         inputs, products = pending.factored_inputs.setdefault(block, ({}, {}))
         x_aug = augmented_input(block, x, inputs, keep_one=True)
         if products.get("x_aug") is not x_aug:
+            products.clear()
             products.update(x_aug=x_aug, x_a=block.input_times_a(x))
-        noise_pre = products["x_a"] @ noise[0].T  # X_aug A Phi^T
+        noise_pre = capture.noise_pre(block)  # X_aug A Phi^T, from a factored forward (the same X_aug) or here
+        if noise_pre is None:
+            noise_pre = products["x_a"] @ noise[0].T
         psi = block.join([p.grad[None] for p in block.params])[0]  # Delta^T X_aug, already computed by backward
         block.accumulate_factored(pending.stats[block], noise, delta[None], x_aug, noise_pre[None], psi)
         return True

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
 
-__all__ = ["LinearCapture", "SampledNetwork", "augmented_input", "check_batched_support"]
+__all__ = ["LinearCapture", "SampledNetwork", "UnseenUse", "augmented_input", "check_batched_support"]
 
 SUPPORTED = (nn.Linear, nn.Conv2d)
 
@@ -239,6 +239,12 @@ _HARMLESS_GETTERS = frozenset({"grad", "shape", "dtype", "device", "requires_gra
                                "output_nr", "itemsize", "nbytes", "names"})
 _HARMLESS_METHODS = frozenset({"size", "dim", "numel", "stride", "data_ptr", "element_size", "is_contiguous",
                                "detach", "nelement", "storage_offset", "__len__"})
+_VALUE_READERS = frozenset({"data", "detach"})  # harmless for the gradient, but they read the parameter's values
+
+
+def _name(func: object) -> str:
+    name = getattr(func, "__name__", "")
+    return getattr(getattr(func, "__self__", None), "__name__", "") if name == "__get__" else name
 
 
 def _is_harmless(func: object) -> bool:
@@ -246,6 +252,31 @@ def _is_harmless(func: object) -> bool:
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", "") in _HARMLESS_GETTERS
     return name in _HARMLESS_METHODS
+
+
+class UnseenUse(RuntimeError):
+    """A parameter whose sampled value was not loaded received a gradient that LinearCapture did not see it
+    take (code that torch function modes do not reach, e.g. TorchScript): the sample must be redone."""
+
+
+class _FactoredLinear(torch.autograd.Function):
+    """F.linear(X, W, b) of a sampled matrix-variate layer without forming W = M + B Phi A^T: the output is
+    X_aug M^T + (X_aug A Phi^T) B^T (as in `SampledNetwork`), and backward gives the weight and bias F.linear's
+    gradients, Delta^T X and the column sums of Delta. X must not need a gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, mean_out: Tensor, noise_pre: Tensor,  # noqa: ANN001
+                output_sqrt_cov: Tensor, given: list) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.has_bias, ctx.given = bias is not None, given
+        return torch.addmm(mean_out, noise_pre, output_sqrt_cov.T)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        grads = [grad.T @ x] + ([grad.sum(0)] if ctx.has_bias else [])
+        ctx.given[:] = grads  # what the parameters' .grad must equal if nothing else used them
+        return None, grads[0], grads[1] if ctx.has_bias else None, None, None, None, None
 
 
 class _Captured:
@@ -257,6 +288,8 @@ class _Captured:
         self.version = 0
         self.delta: Tensor | None = None  # dL/dY of that call, summed over backward passes
         self.grads: dict[int, tuple[Tensor, int]] = {}  # id(param) -> (its .grad, version) after accumulation
+        self.noise_pre: Tensor | None = None  # X_aug A Phi^T, where the call was evaluated in factored form
+        self.factored_grads: list[Tensor] = []  # the weight's and bias's gradients from that factored call
 
 
 class LinearCapture(TorchFunctionMode):
@@ -273,12 +306,25 @@ class LinearCapture(TorchFunctionMode):
     caller uses the dense .grad.
     Functions are seen at the top level only (torch runs a function's internals with the mode off), which is
     where a parameter enters the computation. `close()` removes the hooks.
+
+    Deferred sampling (`noises`, the blocks' noise of this sample): those blocks' sampled weights W = M + B Phi
+    A^T are not loaded before the closure runs (forming W costs p n (p + n) flops, several forward passes for a
+    wide input). The first F.linear on such a weight whose input needs no gradient (the batch: the first layer)
+    is evaluated in factored form, X_aug M^T + (X_aug A Phi^T) B^T, reusing the step's X_aug A (`caches`, the
+    same that the statistics use); any other use of the weight or bias (including .data and .detach()) loads W
+    first. A parameter used where the mode cannot see it (TorchScript, another thread) is caught when it has a
+    gradient that the capture did not give it (`check_seen`, `UnseenUse`); a read of such a parameter without a
+    gradient cannot be seen, hence `FOOVB.step` stops deferring for good after the first unseen use.
     """
 
-    def __init__(self, blocks: Sequence[KroneckerBlock]):
+    def __init__(self, blocks: Sequence[KroneckerBlock], noises: dict[KroneckerBlock, Tensor] | None = None,
+                 caches: dict | None = None):
         super().__init__()
         self.captured = {block: _Captured() for block in blocks}
         self.owner = {id(p): block for block in blocks for p in block.params}
+        self.noises = noises or {}
+        self.unloaded = set(self.noises)  # deferred blocks whose sampled weights are not in the parameters yet
+        self.caches = caches if caches is not None else {}  # block -> (X_aug cache, {x_aug, x_a, mean_out})
         self.unsafe = False  # a backward pass that .grad does not see as Delta^T X: every block falls back
         self.handles = []
         for block in blocks:
@@ -313,24 +359,89 @@ class LinearCapture(TorchFunctionMode):
             if (kwargs.get("create_graph", len(args) > create_graph and args[create_graph])
                     or kwargs.get("inputs", args[inputs] if len(args) > inputs else None) is not None):
                 self.unsafe = True
-        elif not _is_harmless(func):
-            touched = self._touched(args, kwargs)
-            for block in touched:
-                self.captured[block].uses += 1
-            if len(touched) == 1 and func is F.linear:
-                return self._linear(next(iter(touched)), func, args, kwargs)
+        else:
+            harmless = _is_harmless(func)
+            if not harmless or (self.unloaded and _name(func) in _VALUE_READERS):
+                touched = self._touched(args, kwargs)
+                if not harmless:
+                    for block in touched:
+                        self.captured[block].uses += 1
+                    if len(touched) == 1 and func is F.linear:
+                        return self._linear(next(iter(touched)), func, args, kwargs)
+                for block in touched & self.unloaded:
+                    self._load(block)
         return func(*args, **kwargs)
 
+    def _load(self, block: KroneckerBlock) -> None:
+        with torch.no_grad(), full_precision():
+            block.load_sample(self.noises[block][0])
+        torch.clear_autocast_cache()
+        self.unloaded.discard(block)
+
     def _linear(self, block: KroneckerBlock, func, args: tuple, kwargs: dict) -> Tensor:  # noqa: ANN001
-        y = func(*args, **kwargs)
         x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         captured = self.captured[block]
-        if (weight is block.params[0] and bias is (block.params[1] if block.has_bias else None)
-                and captured.uses == 1 and y.requires_grad and x.shape[-1] == block.in_features):
+        own = (weight is block.params[0] and bias is (block.params[1] if block.has_bias else None)
+               and captured.uses == 1 and x.shape[-1] == block.in_features)
+        if block in self.unloaded:
+            if own and self._factorable(block, x, weight):
+                y = self._factored(block, x, weight, bias)
+            else:
+                self._load(block)
+                y = func(*args, **kwargs)
+        else:
+            y = func(*args, **kwargs)
+        if own and y.requires_grad:
             captured.x, captured.version = x.detach(), x._version
             self.handles.append(y.register_hook(self._save_delta(captured)))
         return y
+
+    def _factorable(self, block: KroneckerBlock, x: Tensor, weight: Tensor) -> bool:
+        """The factored form gives this call's output and the parameters' gradients: a plain float input that
+        needs no gradient, in the posterior's dtype and device, outside autocast; and it is cheaper: the input is
+        the one whose X_aug A the step has (the batch, from the previous sample) or has at most p rows."""
+        if (x.requires_grad or not weight.requires_grad or not torch.is_grad_enabled()
+                or x.dtype != block.state["mean"].dtype or x.device != block.state["mean"].device
+                or any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))):
+            return False
+        products = self.caches.get(block, ({}, {}))[1]
+        cached = products.get("x_aug")
+        rows = x.reshape(-1, block.in_features)
+        return (cached is not None and cached.shape[0] == rows.shape[0]) or rows.shape[0] <= block.out_features
+
+    def _factored(self, block: KroneckerBlock, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        rows = x.detach().reshape(-1, block.in_features)
+        inputs, products = self.caches.setdefault(block, ({}, {}))
+        x_aug = augmented_input(block, rows, inputs, keep_one=True)
+        if products.get("x_aug") is not x_aug:
+            products.clear()
+            products.update(x_aug=x_aug, x_a=block.input_times_a(rows))
+        mean = block.state["mean"]
+        if "mean_out" not in products:  # X_aug M^T: M is fixed during the step
+            n_in = block.in_features
+            products["mean_out"] = F.linear(rows, mean[:, :n_in], mean[:, n_in] if block.has_bias else None)
+        captured = self.captured[block]
+        captured.noise_pre = products["x_a"] @ self.noises[block][0].T  # X_aug A Phi^T (r, p)
+        y = _FactoredLinear.apply(rows, weight, bias, products["mean_out"], captured.noise_pre,
+                                  block.state["output_sqrt_cov"], captured.factored_grads)
+        return y.reshape(*x.shape[:-1], block.out_features)
+
+    def check_seen(self) -> None:
+        """After the sample: raise `UnseenUse` if a deferred block got a gradient that the capture did not give
+        it (a use of its parameters that the mode did not see, which read unsampled values)."""
+        for block in self.unloaded:
+            given = self.captured[block].factored_grads
+            for index, p in enumerate(block.params):
+                if p.grad is None:
+                    continue
+                if index >= len(given) or not (p.grad is given[index] or torch.equal(p.grad, given[index])):
+                    raise UnseenUse(f"a parameter of {type(block.module).__name__} was used where FOOVB's capture "
+                                    "could not see it")
+
+    def noise_pre(self, block: KroneckerBlock) -> Tensor | None:
+        """X_aug A Phi^T of the block's factored F.linear call, if it had one."""
+        return self.captured[block].noise_pre
 
     @staticmethod
     def _save_delta(captured: _Captured):  # noqa: ANN205
