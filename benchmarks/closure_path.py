@@ -1,9 +1,15 @@
 """FOO-VB step(closure) vs step_batched vs SGD on the paper's 784-100-100-10 MLP, batch 128 (issue 30).
 
 Prints, measured in this one run on this machine, the SGD step time and, for the matrix-variate (Kronecker)
-and diagonal families at K = 10, the step(closure) and step_batched times, their ratios to SGD and to each
-other. On the closure path the matrix-variate statistics of nn.Linear layers are kept low-rank from the
-captured layer inputs and output gradients, as step_batched builds them (issue 30).
+and diagonal families at K = 10, with the paper's preset and the default (recommended) one, the step(closure)
+and step_batched times, their ratios to SGD and to each other. On the closure path the matrix-variate
+statistics of nn.Linear layers are kept low-rank from the captured layer inputs and output gradients, and the
+first layer's sampled weight is never formed, as in step_batched (issue 30).
+
+Last row, the floor of the diagonal closure path: a bare loop of K forward/backward passes, the noise (one
+torch.randn per antithetic pair and tensor, as the default preset draws), each sample written into the
+parameters and its gradient summed in place (two in-place ops per tensor), then a trivial update: what any
+implementation of the diagonal K-sample step on top of torch's CPU generator pays.
 
     python benchmarks/closure_path.py [--repeats 20] [--threads N] [--k 10]
 """
@@ -13,7 +19,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from step_time import foovb_step_ms, sgd_step_ms
+import torch.nn.functional as F
+from step_time import foovb_step_ms, median_ms, mlp, sgd_step_ms
 
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
 
@@ -34,13 +41,52 @@ def main() -> None:
           f"K={args.k}; median of {args.repeats} steps")
     sgd = sgd_step_ms(x, y, args.repeats)
     print(f"\nSGD step: {sgd:.3f} ms\n")
-    print("| posterior | step(closure) ms | / SGD | step_batched ms | / SGD | closure / batched |")
-    print("|---|---|---|---|---|---|")
+    print("| posterior | preset | step(closure) ms | / SGD | step_batched ms | / SGD | closure / batched |")
+    print("|---|---|---|---|---|---|---|")
     for posterior in ("kronecker", "diagonal"):
-        closure = foovb_step_ms(x, y, posterior, args.k, False, args.repeats)
-        batched = foovb_step_ms(x, y, posterior, args.k, True, args.repeats)
-        print(f"| {posterior} | {closure:.2f} | {closure / sgd:.1f} | {batched:.2f} | {batched / sgd:.1f} | "
-              f"{closure / batched:.2f} |")
+        for preset in ("paper", "recommended"):
+            closure = foovb_step_ms(x, y, posterior, args.k, False, args.repeats, preset=preset)
+            batched = foovb_step_ms(x, y, posterior, args.k, True, args.repeats, preset=preset)
+            print(f"| {posterior} | {preset} | {closure:.2f} | {closure / sgd:.1f} | {batched:.2f} | "
+                  f"{batched / sgd:.1f} | {closure / batched:.2f} |")
+    floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats)
+    print(f"| diagonal floor: bare loop, antithetic | | {floor:.2f} | {floor / sgd:.1f} | | | |")
+
+
+def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int) -> float:
+    """The diagonal K-sample step reduced to what it cannot avoid (module docstring)."""
+    model = mlp()
+    params = list(model.parameters())
+    means = [p.detach().clone() for p in params]
+    stds = [torch.full_like(p, 0.047) for p in params]
+    sums = [torch.zeros_like(p) for p in params]
+    weighted = [torch.zeros_like(p) for p in params]
+    noises = [torch.empty_like(p) for p in params]
+    generator = torch.Generator()
+
+    def step() -> None:
+        for total in sums + weighted:
+            total.zero_()
+        for sample in range(k):
+            sign = -1.0 if sample % 2 else 1.0
+            with torch.no_grad():
+                for index, (param, noise) in enumerate(zip(params, noises, strict=True)):
+                    if sign > 0:
+                        generator.manual_seed(1000 * index + sample)
+                        torch.randn(noise.shape, generator=generator, out=noise)
+                    torch.addcmul(means[index], stds[index], noise, value=sign, out=param.data)
+                    param.grad = None
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            with torch.no_grad():
+                for index, param in enumerate(params):
+                    sums[index].add_(param.grad)
+                    weighted[index].addcmul_(param.grad, noises[index], value=sign)
+        with torch.no_grad():
+            for mean, std, total, param in zip(means, stds, sums, params, strict=True):
+                mean.addcmul_(std, total, value=-1e-9)
+                param.data.copy_(mean)
+
+    return median_ms(step, repeats)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def sgd_step_ms(x, y, repeats: int, sizes=(784, 100, 100, 10)) -> float:
     return median_ms(step, repeats)
 
 
-def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, sizes=(784, 100, 100, 10)) -> float:
+def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, sizes=(784, 100, 100, 10),
+                  preset: str = "paper") -> float:
     model = mlp(sizes)
-    opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset="paper")
+    opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset)
     loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="sum")  # noqa: E731
 
     def closure() -> torch.Tensor:
@@ -75,7 +76,7 @@ def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, siz
         try:
             opt.step_batched(x, y, loss_fn) if batched else opt.step(closure)
         except FloatingPointError:  # K = 1 can diverge on one repeated batch (noisy E[g eps]); start over
-            opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset="paper")
+            opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset)
             return False  # not a step: median_ms does not count it
         return True
 

@@ -235,6 +235,9 @@ def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision()
     # the float32 result is as close to the exact one as rounding the inputs to float32 alone makes it
     assert (got.double() - baseline).abs().max() <= 4 * torch.finfo(torch.float32).eps * scale
     assert (got.double() - expected).abs().max() <= 1e-5 * scale
+    forced_svd = sqrt_covariance_update(a.float(), LowRank(dense=t.to_dense().float()), gram=False)
+    assert not torch.equal(forced_svd, got)  # `gram` overrides the route: another computation, as accurate here
+    assert (forced_svd.double() - baseline).abs().max() <= 4 * torch.finfo(torch.float32).eps * scale
 
 
 def test_float64_update_by_svd_route_matches_lemma2_on_a_wide_spectrum():

@@ -171,7 +171,8 @@ def left_singular_pairs(matrix: Tensor, *, gram: bool) -> tuple[Tensor, Tensor]:
     return u, torch.linalg.vector_norm(matrix.T @ u, dim=0)
 
 
-def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype = torch.float64) -> Tensor:
+def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype = torch.float64,
+                           gram: bool | None = None) -> Tensor:
     """New square root of the covariance after one fixed-point step (Algorithms 2 and 3).
 
     Given the prior's square root A (V = A A^T) and T = E[g eps^T] (or the matrix-variate E2 / E3), returns
@@ -182,8 +183,12 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     the O(n^2 r) products in A's own dtype, whose precision is that of the stored factor anyway. For a float32
     A they use the Gram route: its error in A_new, about 1e-8 s_max relative (h is 1-Lipschitz), stays below
     float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2); a float64 A gets SVDs.
+    `gram` overrides that choice. Measured at width 1000 (benchmarks/update_routes.py): decomposing in float32
+    makes the UPDATE 10% (SVD) to 36% (Gram) faster there but its error 2.5 to 33 times larger, beyond the
+    tests' float32 bound (docs/performance.md), so it is not used.
     """
-    gram = sqrt_cov.dtype != torch.float64  # Gram route for float32 / float16 factors
+    if gram is None:
+        gram = sqrt_cov.dtype != torch.float64  # Gram route for float32 / float16 factors
     a = sqrt_cov
     if t.dense is not None:
         u, s = left_singular_pairs((a.T @ t.to_dense().to(a.dtype)).to(dtype), gram=gram)
