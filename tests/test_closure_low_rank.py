@@ -283,3 +283,104 @@ def test_a_use_the_capture_cannot_see_is_redone_with_formed_samples():
     for name, block in zip(("fc1", "fc2", "fc3"), opt.blocks, strict=True):
         for key in block.state:
             torch.testing.assert_close(block.state[key], reference[name][key], rtol=1e-10, atol=1e-10)
+
+
+def paired_runs(closure_of, steps=2, loss_reduction="auto"):
+    """The same closure stepped with deferred samples and with every sample formed first: (posterior states,
+    closure calls, whether still deferring) of each."""
+    results = []
+    for defer in (True, False):
+        torch.manual_seed(0)
+        model = Net().double()
+        opt = FOOVB(model, "kronecker", mc_samples=4, seed=0, antithetic=False, loss_reduction=loss_reduction)
+        opt._defer_linear_samples = defer
+        calls = []
+        closure = closure_of(model, *batch())
+        for _ in range(steps):
+            opt.step(lambda closure=closure, calls=calls: calls.append(1) or closure())
+        assert all(torch.equal(p, m) for b in opt.blocks for p, m in zip(b.params, b.mean_values(), strict=True))
+        results.append(([v.clone() for b in opt.blocks for v in b.state.values()], len(calls),
+                        opt._defer_linear_samples))
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    return results
+
+
+def checkpointed(model, x, y):
+    """Non-reentrant activation checkpointing: backward recomputes fc1's forward where the mode is inactive."""
+    from torch.utils.checkpoint import checkpoint
+
+    def closure():
+        h = checkpoint(lambda t: torch.tanh(model.fc1(t)), x, use_reentrant=False)
+        loss = F.cross_entropy(model.fc3(torch.tanh(model.fc2(h))), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+def functorch_grad(model, x, y):
+    """torch.func.grad over the model's parameters (wrapped: unseen by the mode), then assigned to .grad."""
+    def loss_of(params):
+        loss = F.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="sum")
+        return loss, loss
+
+    def closure():
+        grads, loss = torch.func.grad(loss_of, has_aux=True)(dict(model.named_parameters()))
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        return loss
+    return closure
+
+
+def backward_hook_reads_weight(model, x, y):
+    """A tensor hook during backward scales the errors by fc1's weight norm (read where the mode is off)."""
+    def closure():
+        out = model.fc1(x)
+        out.register_hook(lambda g: g * model.fc1.weight.norm())
+        loss = F.cross_entropy(model.fc3(torch.tanh(model.fc2(torch.tanh(out)))), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("closure_of", [checkpointed, functorch_grad, backward_hook_reads_weight, in_another_thread])
+def test_unseen_reads_of_a_deferred_weight_are_caught_and_redone(closure_of):
+    """Reads that the capture cannot see get NaN (the deferred weight's placeholder), which the non-finite check
+    catches: the sample is redone with formed weights, the result is the reference's, and deferral stops."""
+    (_, calls, still), (_, reference_calls, _) = paired_runs(closure_of, loss_reduction="sum")
+    assert calls == reference_calls + 1 and not still  # one redone sample, then every sample formed
+
+
+def clipped_first_layer(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.fc1.parameters(), 1e-3)  # changes the factored layer's .grad in place
+        return loss
+    return closure
+
+
+def two_backward_passes(model, x, y):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward(retain_graph=True)
+        loss.backward()  # gradients of 2 L: summed over both passes
+        return 2 * loss
+    return closure
+
+
+def linear_by_keywords(model, x, y):
+    def closure():
+        h = torch.tanh(F.linear(input=x, weight=model.fc1.weight, bias=model.fc1.bias))
+        loss = F.cross_entropy(model.fc3(torch.tanh(model.fc2(h))), y, reduction="sum")
+        loss.backward()
+        return loss
+    return closure
+
+
+@pytest.mark.parametrize("closure_of", [clipped_first_layer, two_backward_passes, linear_by_keywords])
+def test_seen_changes_of_the_gradient_are_not_redone(closure_of):
+    """Clipping after backward, two backward passes and F.linear called by keywords are seen: no sample is
+    redone (the closure runs K times per step, its side effects once) and deferral stays on."""
+    (_, calls, still), (_, reference_calls, _) = paired_runs(closure_of, loss_reduction="sum")
+    assert calls == reference_calls == 8 and still

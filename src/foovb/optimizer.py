@@ -688,8 +688,8 @@ class FOOVB(torch.optim.Optimizer):
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
-            if capture is not None:
-                capture.check_seen()
+            if deferred:
+                capture.check_seen(sample.loss, list(self._params()))
             self._check_gradients()
             if pending.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 pending.grad_scale = self._loss_scale(spy.reduction, pending.batch_size)

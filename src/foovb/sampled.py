@@ -21,6 +21,7 @@ parallel samples. This module is the parallel one. While `SampledNetwork` is act
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -255,8 +256,9 @@ def _is_harmless(func: object) -> bool:
 
 
 class UnseenUse(RuntimeError):
-    """A parameter whose sampled value was not loaded received a gradient that LinearCapture did not see it
-    take (code that torch function modes do not reach, e.g. TorchScript): the sample must be redone."""
+    """A deferred parameter (its sampled value not loaded, NaN in its place) was read where LinearCapture could
+    not see it (another thread, a backward hook, checkpoint recomputation, torch.func): the sample must be
+    redone with every sampled weight loaded."""
 
 
 class _FactoredLinear(torch.autograd.Function):
@@ -275,7 +277,8 @@ class _FactoredLinear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple:  # noqa: ANN001
         (x,) = ctx.saved_tensors
         grads = [grad.T @ x] + ([grad.sum(0)] if ctx.has_bias else [])
-        ctx.given[:] = grads  # what the parameters' .grad must equal if nothing else used them
+        # what the parameters' .grad must equal if nothing else used them (summed over backward passes)
+        ctx.given[:] = grads if not ctx.given else [a + b for a, b in zip(ctx.given, grads, strict=True)]
         return None, grads[0], grads[1] if ctx.has_bias else None, None, None, None, None
 
 
@@ -290,6 +293,7 @@ class _Captured:
         self.grads: dict[int, tuple[Tensor, int]] = {}  # id(param) -> (its .grad, version) after accumulation
         self.noise_pre: Tensor | None = None  # X_aug A Phi^T, where the call was evaluated in factored form
         self.factored_grads: list[Tensor] = []  # the weight's and bias's gradients from that factored call
+        self.explained: dict[int, tuple[Tensor, bool]] = {}  # id(param) -> (.grad, it equalled those) at accumulation
 
 
 class LinearCapture(TorchFunctionMode):
@@ -309,12 +313,15 @@ class LinearCapture(TorchFunctionMode):
 
     Deferred sampling (`noises`, the blocks' noise of this sample): those blocks' sampled weights W = M + B Phi
     A^T are not loaded before the closure runs (forming W costs p n (p + n) flops, several forward passes for a
-    wide input). The first F.linear on such a weight whose input needs no gradient (the batch: the first layer)
-    is evaluated in factored form, X_aug M^T + (X_aug A Phi^T) B^T, reusing the step's X_aug A (`caches`, the
-    same that the statistics use); any other use of the weight or bias (including .data and .detach()) loads W
-    first. A parameter used where the mode cannot see it (TorchScript, another thread) is caught when it has a
-    gradient that the capture did not give it (`check_seen`, `UnseenUse`); a read of such a parameter without a
-    gradient cannot be seen, hence `FOOVB.step` stops deferring for good after the first unseen use.
+    wide input); their parameters hold NaN instead. The first F.linear on such a weight whose input needs no
+    gradient (the batch: the first layer) is evaluated in factored form, X_aug M^T + (X_aug A Phi^T) B^T,
+    reusing the step's X_aug A (`caches`, the same that the statistics use); any other use of the weight or bias
+    that the mode sees (including .data and .detach()) loads W first. A read the mode cannot see (another
+    thread, a backward hook, checkpoint recomputation during backward, torch.func's wrapped parameters) reads
+    NaN: `check_seen` raises `UnseenUse` when the loss or a gradient is not finite, or when a still-deferred
+    parameter's gradient was not exactly the factored call's, and `FOOVB.step` redoes the sample with every
+    weight loaded (and stops deferring). Such a read that reaches neither the loss nor a gradient (a value
+    only logged) sees NaN.
     """
 
     def __init__(self, blocks: Sequence[KroneckerBlock], noises: dict[KroneckerBlock, Tensor] | None = None,
@@ -324,6 +331,10 @@ class LinearCapture(TorchFunctionMode):
         self.owner = {id(p): block for block in blocks for p in block.params}
         self.noises = noises or {}
         self.unloaded = set(self.noises)  # deferred blocks whose sampled weights are not in the parameters yet
+        with torch.no_grad():
+            for block in self.unloaded:
+                for p in block.params:
+                    p.fill_(math.nan)  # a read of a deferred weight that the mode does not see must not pass
         self.caches = caches if caches is not None else {}  # block -> (X_aug cache, {x_aug, x_a, mean_out})
         self.unsafe = False  # a backward pass that .grad does not see as Delta^T X: every block falls back
         self.handles = []
@@ -336,7 +347,13 @@ class LinearCapture(TorchFunctionMode):
 
     def _record_grad(self, block: KroneckerBlock):  # noqa: ANN202
         def hook(param: Tensor) -> None:
-            self.captured[block].grads[id(param)] = (param.grad, param.grad._version)
+            captured = self.captured[block]
+            captured.grads[id(param)] = (param.grad, param.grad._version)
+            if block in self.unloaded:  # before any change by the closure (clipping): only its factored gradient?
+                index = next(i for i, own in enumerate(block.params) if own is param)
+                given = captured.factored_grads
+                captured.explained[id(param)] = (param.grad, index < len(given) and torch.equal(param.grad,
+                                                                                                  given[index]))
         return hook
 
     def _touched(self, args: tuple, kwargs: dict) -> set[KroneckerBlock]:
@@ -379,7 +396,8 @@ class LinearCapture(TorchFunctionMode):
         self.unloaded.discard(block)
 
     def _linear(self, block: KroneckerBlock, func, args: tuple, kwargs: dict) -> Tensor:  # noqa: ANN001
-        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        x = args[0] if args else kwargs.get("input")
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         captured = self.captured[block]
         own = (weight is block.params[0] and bias is (block.params[1] if block.has_bias else None)
@@ -427,15 +445,28 @@ class LinearCapture(TorchFunctionMode):
                                   block.state["output_sqrt_cov"], captured.factored_grads)
         return y.reshape(*x.shape[:-1], block.out_features)
 
-    def check_seen(self) -> None:
-        """After the sample: raise `UnseenUse` if a deferred block got a gradient that the capture did not give
-        it (a use of its parameters that the mode did not see, which read unsampled values)."""
+    def check_seen(self, loss: float, params: Sequence[Tensor]) -> None:
+        """After a sample with deferred blocks: raise `UnseenUse` if a deferred weight may have been read unseen
+        (class docstring): a non-finite loss or gradient (a NaN read, or a genuine overflow that the redone
+        sample then reports), or a still-deferred parameter whose gradient at accumulation was not the factored
+        call's (or, for a gradient set by other means, is not now)."""
+        if not self.noises:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not math.isfinite(loss) or (grads and not torch.stack(torch._foreach_norm(grads)).sum().isfinite()):
+            raise UnseenUse("non-finite loss or gradients in a sample with deferred weights")
         for block in self.unloaded:
-            given = self.captured[block].factored_grads
+            captured = self.captured[block]
             for index, p in enumerate(block.params):
                 if p.grad is None:
                     continue
-                if index >= len(given) or not (p.grad is given[index] or torch.equal(p.grad, given[index])):
+                seen = captured.explained.get(id(p))
+                if seen is not None and seen[0] is p.grad:
+                    explained = seen[1]
+                else:
+                    given = captured.factored_grads
+                    explained = index < len(given) and torch.equal(p.grad, given[index])
+                if not explained:
                     raise UnseenUse(f"a parameter of {type(block.module).__name__} was used where FOOVB's capture "
                                     "could not see it")
 
