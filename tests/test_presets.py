@@ -1,6 +1,8 @@
-"""The recommended preset against the paper's on a short real-data stream where retention matters: 5 permuted-MNIST
-tasks x 10 passes over 512 images (docs/results.md, "Short streams"). Seeds 0/1/2 measured: recommended
-0.777/0.763/0.776 against paper 0.709/0.734/0.720 average accuracy; the test runs seed 0 (about 25 s)."""
+"""The recommended preset (FOOVB(model)'s defaults: the model's torch-initialised weights as the prior mean, each
+layer's own prior std) against the paper's preset on a short real-data stream where retention matters: 5
+permuted-MNIST tasks x 10 passes over 512 images, K = 4 (docs/results.md, "The default prior"). Seeds 0/1/2
+measured: recommended 0.744/0.738/0.754 average and 0.674/0.665/0.675 first task, against the paper preset's
+0.717/0.721/0.718 and 0.646/0.652/0.624; the test runs seed 0 (about 25 s)."""
 
 
 from foovb_suite.cli import config_path
@@ -20,5 +22,5 @@ def _average_and_first(tmp_path, preset: str) -> tuple[float, float]:
 
 def test_the_recommended_preset_beats_the_paper_preset_on_a_short_stream(tmp_path):
     recommended, paper = _average_and_first(tmp_path, "recommended"), _average_and_first(tmp_path, "paper")
-    assert recommended[0] > paper[0] + 0.02, (recommended, paper)  # measured: +6.8 points
-    assert recommended[1] > paper[1] + 0.05, (recommended, paper)  # the first task: retention (+11.4)
+    assert recommended[0] > paper[0] + 0.015, (recommended, paper)  # measured: +2.7 points
+    assert recommended[1] > paper[1] + 0.015, (recommended, paper)  # the first task: retention (+2.8)

@@ -34,6 +34,7 @@ from .posteriors import (
     drop_autocast_cache,
     full_precision,
 )
+from .priors import XAVIER, fans, initial_std
 from .sampled import LinearCapture, SampledNetwork, UnseenUse, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
@@ -63,15 +64,17 @@ WIDE_LAYER = 2**17
 # Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
 # (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
 # (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, beta < 1; the model's own weights
-# as the prior mean. The full family's recommendation is the paper's with antithetic pairs (not tuned).
+# as the prior mean with each layer's own prior std (std_init="xavier", priors.py). The full family's
+# recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
           "std_growth": "paper", "cov_momentum": 0.0, "init": "paper", "max_full_params": 4096}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
         "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.3, "antithetic": True, "std_growth": "none",
-                     "init": "keep"},
-        "kronecker": {**_PAPER, "cov_step": 0.1, "antithetic": True, "std_growth": "none", "init": "keep"},
-        "full": {**_PAPER, "antithetic": True, "init": "keep"},
+                     "init": "keep", "std_init": XAVIER},
+        "kronecker": {**_PAPER, "cov_step": 0.1, "antithetic": True, "std_growth": "none", "init": "keep",
+                      "std_init": XAVIER},
+        "full": {**_PAPER, "antithetic": True, "init": "keep", "std_init": XAVIER},
     },
     "paper": {family: dict(_PAPER) for family in FAMILIES},
 }
@@ -232,11 +235,11 @@ def _validate(*, mc_samples: object, loss_reduction: object, seed: object, std_i
     """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
     if not is_integer(mc_samples) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
-    for name, value in (("std_init", std_init), ("alpha", alpha), ("cov_momentum", cov_momentum)):
+    if not (std_init == XAVIER or is_real(std_init) and math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
+        raise ValueError(f"std_init must be a number in (0, {MAX_STD_INIT}] or {XAVIER!r}, got {std_init!r}")
+    for name, value in (("alpha", alpha), ("cov_momentum", cov_momentum)):
         if not is_real(value):
             raise ValueError(f"{name} must be a real number, got {value!r}")
-    if not (math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
-        raise ValueError(f"std_init must be in (0, {MAX_STD_INIT}], got {std_init!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
     _check_step_sizes(mean_step, cov_step)
@@ -282,8 +285,11 @@ class FOOVB(torch.optim.Optimizer):
         mc_samples: K, Monte Carlo samples per step (the paper uses 10; K <= 2 is unstable).
         preset: where the hyperparameters left None come from: "recommended" (the best settings measured in
             this project, per family: `PRESETS`) or "paper" (the paper's settings, its initialisation included).
-        std_init: initial posterior std of the diagonal and full families, and of the matrix family's
-            fallback tensors (paper: 0.047 discrete, 0.06 continuous permuted MNIST).
+        std_init: initial posterior std (the first mini-batch's prior) of the diagonal and full families, and of
+            the matrix family's fallback tensors: one number for every parameter (the paper: 0.047 discrete,
+            0.06 continuous permuted MNIST), or "xavier" (the recommended preset's): each layer's
+            sqrt(2 / (fan_in + fan_out)), 0.047 on a 784 -> 100 layer, 0.135 on a 100 -> 10 head
+            (`foovb.priors.xavier_std`; it depends on the shapes only, so pretrained weights get the same prior).
         alpha: matrix-variate initialisation split (Implementation details): the mean carries a fraction
             alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest (posterior
             "kronecker", or init="alpha").
@@ -356,7 +362,8 @@ class FOOVB(torch.optim.Optimizer):
         if not params:
             raise ValueError("model has no trainable parameters")
         # Python numbers in param_groups (numpy scalars would not load with torch.load's weights_only default)
-        defaults = dict(posterior=posterior, mc_samples=int(mc_samples), std_init=float(settings["std_init"]),
+        std_init = settings["std_init"] if settings["std_init"] == XAVIER else float(settings["std_init"])
+        defaults = dict(posterior=posterior, mc_samples=int(mc_samples), std_init=std_init,
                         alpha=float(settings["alpha"]), lr=float(settings["mean_step"]),
                         cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
                         antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
@@ -378,7 +385,7 @@ class FOOVB(torch.optim.Optimizer):
                 layer_std = self._alpha_init(model, alpha)
             elif init != "keep":
                 self._paper_init(model, random_bias=init == "bgd")
-        self.blocks = self._make_blocks(model, posterior, float(settings["std_init"]), alpha, init,
+        self.blocks = self._make_blocks(model, posterior, std_init, alpha, init,
                                         int(settings["max_full_params"]), layer_std)
         # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture), and
         # whether step(closure) defers forming their sampled weights (off for good after an unseen use)
@@ -425,7 +432,7 @@ class FOOVB(torch.optim.Optimizer):
     def _paper_init(self, model: nn.Module, random_bias: bool) -> None:
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
-                fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(module.weight)
+                fan_in, fan_out = fans(module.weight)
                 std = math.sqrt(2.0 / (fan_in + fan_out))
                 if module.weight.requires_grad:
                     module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
@@ -451,7 +458,7 @@ class FOOVB(torch.optim.Optimizer):
                 layer_std[id(module)] = math.sqrt(2 * (1 - alpha) / (fan_in + 2))
         return layer_std
 
-    def _make_blocks(self, model: nn.Module, posterior: str, std_init: float, alpha: float, init: str,
+    def _make_blocks(self, model: nn.Module, posterior: str, std_init: float | str, alpha: float, init: str,
                      max_full_params: int, layer_std: dict[int, float]) -> list[PosteriorBlock]:
         blocks: list[PosteriorBlock] = []
         seen: set[int] = set()
@@ -463,7 +470,8 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
                                  "not supported: each parameter needs one posterior)")
             seen.update(id(p) for p in direct)
-            module_std = layer_std.get(id(module), std_init)
+            def prior_std(param: Tensor, module: nn.Module = module) -> float:
+                return layer_std[id(module)] if id(module) in layer_std else initial_std(std_init, param, module)
             if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
                     and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
                     and all(p is module.weight or p is module.bias for p in direct)
@@ -481,9 +489,9 @@ class FOOVB(torch.optim.Optimizer):
                         f"max_full_params={max_full_params}; use posterior='kronecker' or 'diagonal', or "
                         "raise max_full_params"
                     )
-                blocks.append(FullBlock(direct, self.state[direct[0]], module_std, module))
+                blocks.append(FullBlock(direct, self.state[direct[0]], prior_std(direct[0]), module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], module_std, module, self.std_growth,
+                blocks.extend(DiagonalBlock(p, self.state[p], prior_std(p), module, self.std_growth,
                                             self.cov_momentum) for p in direct)
         return blocks
 

@@ -35,6 +35,7 @@ import yaml
 from torch import nn
 
 from foovb import FOOVB, distributed
+from foovb.priors import XAVIER
 
 from . import metrics, plots
 from .baselines import BASELINES
@@ -259,7 +260,10 @@ def _divergence_advice(learner: Learner) -> str:
         changes = [f"a larger learner.params.mc_samples (now {group['mc_samples']}; at least 4)"]
         if group.get("posterior") == "diagonal" and group.get("std_growth") == "paper":
             changes.append("learner.params.std_growth=none or capped (now paper)")
-        if group.get("std_init") is not None:
+        if group.get("std_init") == XAVIER:
+            changes.append("a learner.params.std_init below the layers' own (now xavier: sqrt(2 / (fan_in + fan_out)), "
+                           "0.047 on a 784 -> 100 layer)")
+        elif group.get("std_init") is not None:
             changes.append(f"a smaller learner.params.std_init (now {group['std_init']:g})")
         if not group.get("antithetic"):
             changes.append("learner.params.antithetic=true")
@@ -514,8 +518,8 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
                                    plot_dir / f"accuracy_matrix_{mode}.png")
     if stds:
         params = learner_hyperparameters(config.learner.kind, config.learner.params)  # the preset's values filled in
-        diagonal = (config.learner.kind == "foovb" and params["posterior"] == "diagonal"
-                    and params["init"] != "alpha")  # "alpha": one initial std per layer
+        one_initial_std = (config.learner.kind == "foovb" and params["posterior"] == "diagonal"
+                           and params["init"] != "alpha" and params["std_init"] != XAVIER)  # else one per layer
         position = dict(zip((r["iteration"] for r in records), stages, strict=True))
         at = [position[int(key.removeprefix("iteration_"))] for key in stds]  # evaluations, in tasks seen
         if all(float(x).is_integer() for x in at):
@@ -525,7 +529,7 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
                       for key, x in zip(stds, at, strict=True)]
             title = "Posterior STD histogram at each evaluation"
         plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
-                                  initial_std=params["std_init"] if diagonal else None,
+                                  initial_std=params["std_init"] if one_initial_std else None,
                                   labels=labels, title=title)
     if hasattr(scenario, "task_probabilities"):
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)

@@ -1,0 +1,129 @@
+"""The default prior std (std_init="xavier", foovb/priors.py): each layer's sqrt(2 / (fan_in + fan_out)), from the
+shapes only, on fresh, pretrained and degenerate models; the model's weights stay the prior mean."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from foovb import FOOVB
+from foovb.priors import PAPER_STD_INIT, xavier_std
+
+
+def paper_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(784, 100), nn.ReLU(), nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10))
+
+
+def small_cnn(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 6, 5), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 10))
+
+
+def stds(opt: FOOVB, model: nn.Module) -> list[torch.Tensor]:
+    return [opt.posterior(p).std for p in model.parameters()]
+
+
+def test_xavier_std_is_the_paper_sigma_init_on_its_first_layer_and_grows_towards_the_head():
+    layer = nn.Linear(784, 100)
+    assert xavier_std(layer.weight) == pytest.approx(math.sqrt(2 / 884))
+    assert xavier_std(layer.weight) == pytest.approx(PAPER_STD_INIT, rel=0.013)  # the paper's 0.047 is this layer's
+    assert xavier_std(layer.bias, layer) == xavier_std(layer.weight)  # a bias takes its weight's fans
+    head = nn.Linear(100, 10)
+    assert xavier_std(head.weight) == pytest.approx(math.sqrt(2 / 110))  # 0.135: ~3x the first layer's
+
+
+def test_xavier_std_of_convolutions_counts_the_kernel_and_groups():
+    conv = nn.Conv2d(4, 8, (3, 5), groups=2)  # weight (8, 2, 3, 5): fan_in 2 * 15, fan_out 8 * 15
+    assert xavier_std(conv.weight) == pytest.approx(math.sqrt(2 / (30 + 120)))
+    # the std of torch's Xavier-normal initialisation of the same weight (1,000 draws of its 240 entries)
+    draws = torch.stack([nn.init.xavier_normal_(torch.empty(8, 2, 3, 5)) for _ in range(1000)])
+    assert draws.std().item() == pytest.approx(xavier_std(conv.weight), rel=0.02)
+
+
+@pytest.mark.parametrize("param", [torch.ones(6), torch.tensor(1.0), torch.empty(0, 3)])
+def test_parameters_without_fans_take_the_paper_sigma_init(param):
+    assert xavier_std(param, nn.BatchNorm2d(6)) == PAPER_STD_INIT
+
+
+@pytest.mark.parametrize("family", ["diagonal", "full"])
+def test_the_default_prior_is_per_layer_and_the_weights_are_kept(family):
+    model = paper_mlp() if family == "diagonal" else nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = FOOVB(model, family)
+    assert opt.param_groups[0]["std_init"] == "xavier"
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    for module in linears:
+        want = math.sqrt(2 / (module.in_features + module.out_features))
+        for param in (module.weight, module.bias):
+            std = opt.posterior(param).std
+            torch.testing.assert_close(std, torch.full_like(std, want))
+    widths = [opt.posterior(m.weight).std[0, 0].item() for m in linears]
+    assert widths == sorted(widths)  # narrower layers towards the head: wider priors
+
+
+def test_pretrained_scaled_and_zero_weights_get_the_same_finite_prior_and_stay_the_mean():
+    reference = paper_mlp(0)
+    want = stds(FOOVB(reference), reference)
+    pretrained = paper_mlp(1)
+    with torch.no_grad():
+        pretrained[0].weight.mul_(10)  # a trained layer of another scale
+        pretrained[2].weight.zero_()  # no usable scale at all
+        pretrained[4].bias.fill_(3.0)  # constant
+    before = [p.detach().clone() for p in pretrained.parameters()]
+    opt = FOOVB(pretrained)
+    got = stds(opt, pretrained)
+    for g, w in zip(got, want, strict=True):
+        assert torch.isfinite(g).all() and torch.equal(g, w)
+        assert 0.04 < g.min() and g.max() < 0.14  # the MLP's range: 0.0476 .. 0.135
+    assert all(torch.equal(p, b) and torch.equal(opt.posterior(p).mean, b)
+               for p, b in zip(pretrained.parameters(), before, strict=True))
+
+
+def test_norm_layers_take_the_paper_sigma_init_and_convolutions_their_own():
+    model = small_cnn()
+    opt = FOOVB(model)
+    assert opt.posterior(model[1].weight).std.unique().tolist() == [pytest.approx(PAPER_STD_INIT)]
+    conv_std = opt.posterior(model[0].bias).std
+    torch.testing.assert_close(conv_std, torch.full_like(conv_std, math.sqrt(2 / (25 + 150))))
+
+
+def test_the_matrix_variate_fallback_blocks_use_the_per_layer_rule():
+    lstm_model = nn.LSTM(8, 5)
+    opt = FOOVB(lstm_model, "kronecker")  # nn.LSTM's parameters fall back to diagonal blocks
+    std = opt.posterior(lstm_model.weight_hh_l0).std  # (20, 5): fan_in 5, fan_out 20
+    torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 / 25)))
+
+
+def test_one_number_or_the_paper_preset_still_gives_one_std_everywhere():
+    model = paper_mlp()
+    for opt in (FOOVB(model, std_init=0.02), FOOVB(model, preset="paper", init="keep")):
+        values = torch.cat([s.flatten() for s in stds(opt, model)]).unique()
+        assert values.numel() == 1 and values.item() == pytest.approx(opt.param_groups[0]["std_init"])
+
+
+@pytest.mark.parametrize("bad", ["Xavier", "glorot", "", -0.1, math.nan, True])
+def test_std_init_is_a_positive_number_or_xavier(bad):
+    with pytest.raises(ValueError, match="std_init must be a number .* or 'xavier'"):
+        FOOVB(paper_mlp(), std_init=bad)
+
+
+def test_a_state_dict_with_the_per_layer_prior_round_trips():
+    model = paper_mlp()
+    opt = FOOVB(model, mc_samples=2, seed=0)
+    x, y = torch.randn(16, 784), torch.randint(10, (16,))
+
+    def closure():
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    state = opt.state_dict()
+    other = paper_mlp(3)
+    restored = FOOVB(other, mc_samples=2, seed=0)
+    restored.load_state_dict(state)
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(opt.posterior(p).std, restored.posterior(q).std)
