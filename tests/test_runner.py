@@ -165,7 +165,7 @@ def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, key)
     [
         ({"learner.params.mc_sample": 3}, "learner.params: .*mc_sample"),
         ({"learner.kind": "foo"}, "learner.kind: unknown learner 'foo'"),
-        ({"learner.params.std_init": "abc"}, "learner.params: std_init must be a real number"),
+        ({"learner.params.std_init": "abc"}, "learner.params: std_init must be a number .* or .xavier."),
         ({"learner.params.eval_samples": 2.5}, "learner.params: eval_samples must be an integer"),
         ({"learner.params.chunk_size": 0}, "learner.params: chunk_size"),
         ({"learner.params.seed": 5}, "learner.params.seed: set by the runner"),
