@@ -167,6 +167,46 @@ def test_lr_schedulers_scale_the_mean_step():
     assert not all_equal(posterior_snapshot(unscheduled), posterior_snapshot(opts[1]))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_warm_up_from_lr_0_keeps_the_mean_and_still_updates_the_covariance(family):
+    """eta = 0 is a step size (transformers' linear warm-up, LambdaLR(i / w), starts there): the mean stays, the
+    covariance update of Lemmas 1-2 runs as with any eta (it does not read eta), and the schedule carries on."""
+    model, reference = mlp(seed=0), mlp(seed=0)
+    opt, ref = FOOVB(model, family, 4, seed=2), FOOVB(reference, family, 4, seed=2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: i / 4)
+    means = [p.detach().clone() for p in model.parameters()]
+    opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    ref.step(_closure(reference, lambda m: F.cross_entropy(m(X), Y)))
+    assert all_equal([p.detach() for p in model.parameters()], means)  # eta = 0: the mean did not move
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):  # the covariance is eta's twin's
+        torch.testing.assert_close(opt.posterior(p).std, ref.posterior(q).std, rtol=0, atol=0)
+    fresh = mlp(seed=0)
+    prior = FOOVB(fresh, family, 4, seed=2)
+    assert not all_equal([opt.posterior(p).std for p in model.parameters()],
+                         [prior.posterior(p).std for p in fresh.parameters()])  # it did update
+    scheduler.step()
+    opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))  # eta = 0.25 x the preset's: the mean moves
+    assert not all_equal([p.detach() for p in model.parameters()], means)
+
+
+def test_a_cosine_schedule_down_to_0_runs_and_a_negative_or_nan_lr_is_refused():
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2, eta_min=0.0)
+    used = []
+    for _ in range(3):  # the last step runs at lr 0
+        used.append(opt.param_groups[0]["lr"])
+        opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+        scheduler.step()
+    assert used == [0.7, pytest.approx(0.35), pytest.approx(0.0, abs=1e-12)]
+    for bad in (-1e-3, math.nan, math.inf):
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=r"'lr'.*mean_step.*must be a finite number >= 0"):
+            opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    with pytest.raises(ValueError, match="mean_step must be a finite number >= 0"):
+        FOOVB(model, mean_step=-0.1)
+
+
 def test_batch_norm_running_statistics_are_updated_once_with_the_samples_average():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))

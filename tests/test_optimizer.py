@@ -954,7 +954,6 @@ BAD_KWARGS = [
     ("alpha", {"alpha": 0.0}),
     ("alpha", {"alpha": 1.0}),
     ("alpha", {"alpha": float("nan")}),
-    ("mean_step", {"mean_step": 0.0}),
     ("mean_step", {"mean_step": -0.5}),
     ("mean_step", {"mean_step": float("inf")}),
     ("cov_step", {"cov_step": 0.0}),

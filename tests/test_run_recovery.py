@@ -252,3 +252,15 @@ def test_a_baseline_model_loads_and_a_directory_without_checkpoint_is_refused(tm
                                atol=1e-7)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no checkpoint.pt"):
         load_learner(tmp_path)
+
+
+def test_the_divergence_advice_names_the_per_layer_prior() -> None:
+    from types import SimpleNamespace
+
+    from foovb import FOOVB
+    from foovb_suite.runner import _divergence_advice
+
+    advice = _divergence_advice(SimpleNamespace(optimizer=FOOVB(torch.nn.Linear(3, 2))))
+    assert "a learner.params.std_init below the layers' own (now xavier: sqrt(2 / (fan_in + fan_out))" in advice
+    assert "a smaller learner.params.std_init (now 0.047)" in _divergence_advice(
+        SimpleNamespace(optimizer=FOOVB(torch.nn.Linear(3, 2), preset="paper")))

@@ -96,9 +96,12 @@ def _step_size(key: str, doc: str) -> property:
 
 
 def _check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
-    for name, step in zip(names, (mean_step, cov_step), strict=True):
-        if not (is_real(step) and math.isfinite(step) and step > 0):
-            raise ValueError(f"{name} must be a positive finite number (Python or numpy scalar), got {step!r}")
+    """eta >= 0 (0: the mean stays, the covariance still updates, as a warm-up schedule from lr 0 or a cosine
+    schedule down to eta_min = 0 asks), beta > 0; both finite Python or numpy scalars."""
+    if not (is_real(mean_step) and math.isfinite(mean_step) and mean_step >= 0):
+        raise ValueError(f"{names[0]} must be a finite number >= 0 (Python or numpy scalar), got {mean_step!r}")
+    if not (is_real(cov_step) and math.isfinite(cov_step) and cov_step > 0):
+        raise ValueError(f"{names[1]} must be a positive finite number (Python or numpy scalar), got {cov_step!r}")
 
 
 def loss_reduction_of(loss: Tensor) -> tuple[str, float]:
@@ -294,7 +297,8 @@ class FOOVB(torch.optim.Optimizer):
             alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest (posterior
             "kronecker", or init="alpha").
         mean_step: eta of the mean update mu <- mu - eta Sigma E[g] (the paper: 1). Held in
-            param_groups[0]["lr"], so that torch LR schedulers scale it.
+            param_groups[0]["lr"], so that torch LR schedulers scale it; 0 is allowed (a warm-up from 0: the
+            mean stays while the covariance update of Lemmas 1-2 still runs).
         cov_step: beta, the multiplier of E[g eps^T] in the covariance update (Lemmas 1-2; diagonal:
             sigma <- sigma sqrt(1 + (beta sigma E[g eps] / 2)^2) - beta sigma^2 E[g eps] / 2): the fixed point
             of the covariance for the likelihood raised to the power beta (the paper: 1). With E passes over
