@@ -189,6 +189,24 @@ def test_a_warm_up_from_lr_0_keeps_the_mean_and_still_updates_the_covariance(fam
     assert not all_equal([p.detach() for p in model.parameters()], means)
 
 
+def test_step_batched_is_an_optimizer_step_for_schedulers_and_step_hooks():
+    """A scheduler after step_batched warns of no "lr_scheduler.step() before optimizer.step()", and the
+    optimizer's step hooks run, as for step(closure)."""
+    import warnings
+
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    calls = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            opt.step_batched(X, Y)
+            scheduler.step()
+    assert calls == [1, 1] and opt.param_groups[0]["lr"] == pytest.approx(0.7 / 4)
+
+
 def test_a_cosine_schedule_down_to_0_runs_and_a_negative_or_nan_lr_is_refused():
     model = mlp(seed=0)
     opt = FOOVB(model, "diagonal", 2, seed=0)

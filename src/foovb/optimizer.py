@@ -789,7 +789,6 @@ class FOOVB(torch.optim.Optimizer):
         pending.running.average()
         return mean_loss
 
-    @torch.optim.Optimizer.profile_hook_step  # step pre/post hooks run for both paths (torch wraps `step`)
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> float:
         """One FOO-VB step evaluating the K samples together (batched matmuls; nn.Linear / nn.Conv2d models).
@@ -826,7 +825,7 @@ class FOOVB(torch.optim.Optimizer):
                 loss.backward()
                 return loss
 
-            return self._sequential_step(closure, None)
+            return self.step(closure)
         shard = self.sample_shard
         chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
         modules: dict[nn.Module, list[PosteriorBlock]] = {}
@@ -855,7 +854,9 @@ class FOOVB(torch.optim.Optimizer):
         except BaseException:
             self._pending = None
             raise
-        return self._finish_step()
+        # finished through step(), as an own loop's blocks are: LR schedulers see an optimizer step (no "scheduler
+        # before optimizer" warning), and the step pre/post hooks run once, around the update
+        return self.step()
 
     @torch.no_grad()
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int) -> float:
