@@ -34,7 +34,7 @@ from .posteriors import (
     drop_autocast_cache,
     full_precision,
 )
-from .priors import XAVIER, fans, initial_std
+from .priors import XAVIER, fans, initial_std, xavier_std
 from .sampled import LinearCapture, SampledNetwork, UnseenUse, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
@@ -436,13 +436,12 @@ class FOOVB(torch.optim.Optimizer):
     def _paper_init(self, model: nn.Module, random_bias: bool) -> None:
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
-                fan_in, fan_out = fans(module.weight)
-                std = math.sqrt(2.0 / (fan_in + fan_out))
+                std = xavier_std(module.weight)  # the appendix's variance 2 / (n_in + n_out)
                 if module.weight.requires_grad:
                     module.weight.copy_(torch.randn(module.weight.shape, generator=self.generator) * std)
                 if module.bias is not None and module.bias.requires_grad:
                     if random_bias:
-                        bias_std = math.sqrt(2.0 / (1 + fan_out))
+                        bias_std = math.sqrt(2.0 / (1 + fans(module.weight)[1]))
                         module.bias.copy_(torch.randn(module.bias.shape, generator=self.generator) * bias_std)
                     else:
                         module.bias.zero_()
@@ -474,8 +473,7 @@ class FOOVB(torch.optim.Optimizer):
                 raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
                                  "not supported: each parameter needs one posterior)")
             seen.update(id(p) for p in direct)
-            def prior_std(param: Tensor, module: nn.Module = module) -> float:
-                return layer_std[id(module)] if id(module) in layer_std else initial_std(std_init, param, module)
+            module_std = layer_std.get(id(module))  # init="alpha": one prior std per layer
             if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
                     and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
                     and all(p is module.weight or p is module.bias for p in direct)
@@ -493,10 +491,11 @@ class FOOVB(torch.optim.Optimizer):
                         f"max_full_params={max_full_params}; use posterior='kronecker' or 'diagonal', or "
                         "raise max_full_params"
                     )
-                blocks.append(FullBlock(direct, self.state[direct[0]], prior_std(direct[0]), module))
+                blocks.append(FullBlock(direct, self.state[direct[0]],
+                                        module_std or initial_std(std_init, direct[0], module), module))
             else:
-                blocks.extend(DiagonalBlock(p, self.state[p], prior_std(p), module, self.std_growth,
-                                            self.cov_momentum) for p in direct)
+                blocks.extend(DiagonalBlock(p, self.state[p], module_std or initial_std(std_init, p, module), module,
+                                            self.std_growth, self.cov_momentum) for p in direct)
         return blocks
 
     # -- the posterior ---------------------------------------------------------------------------------------
