@@ -1005,12 +1005,12 @@ def test_step_requires_closure_and_batch_size():
     x, y = mlp_batch()
     opt = FOOVB(model, "diagonal", loss_reduction="mean", preset="paper")
 
-    def scaled_mean_closure():  # a mean times a constant: its number of terms cannot be read from the loss
-        loss = 2.0 * F.cross_entropy(model(x), y)
+    def scaled_mean_closure():  # the square root of a mean: its number of terms cannot be read from the loss
+        loss = F.cross_entropy(model(x), y).sqrt()
         loss.backward()
         return loss
 
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match=f"batch_size={len(x)}"):
         opt.step(scaled_mean_closure)
     with pytest.raises(ValueError, match="rows"):
         opt.step_batched(x, y[:-1])

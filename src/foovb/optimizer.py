@@ -21,7 +21,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from .linalg import LowRank
 from .posteriors import (
@@ -35,6 +34,7 @@ from .posteriors import (
     full_precision,
 )
 from .priors import XAVIER, fans, initial_std, xavier_std
+from .reduction import LossSpy, loss_reduction_of, loss_scale
 from .sampled import LinearCapture, SampledNetwork, UnseenUse, augmented_input, check_batched_support
 from .validation import is_boolean, is_integer, is_real
 
@@ -104,37 +104,6 @@ def _check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str
         raise ValueError(f"{names[1]} must be a positive finite number (Python or numpy scalar), got {cov_step!r}")
 
 
-def loss_reduction_of(loss: Tensor) -> tuple[str, float]:
-    """How a scalar loss was reduced over its terms, read from the last operation of its autograd graph.
-
-    Returns ("mean", n) for a mean over n terms (F.cross_entropy / nll_loss's total weight, the element count
-    of .mean() and of the other loss functions' "mean" reduction), ("sum", 1.0) for a sum, and
-    (operation name, nan) when the last operation is neither (e.g. an addition: loss + regulariser). A division
-    or multiplication by the constant 1 is looked through (Lightning divides the loss by its gradient
-    accumulation count, 1 without accumulation). Must be called before backward(), which frees what the graph
-    saved.
-    """
-    node = loss.grad_fn
-    if node is None or loss.numel() != 1:
-        return ("no graph" if node is None else "a non-scalar loss", math.nan)
-    while (type(node).__name__ in ("DivBackward0", "MulBackward0") and node.next_functions[1][0] is None
-           and getattr(node, "_saved_self", 0) is None and node._saved_other.numel() == 1
-           and float(node._saved_other) == 1.0):
-        node = node.next_functions[0][0]
-    name = type(node).__name__
-    if name.startswith("SumBackward"):
-        return ("sum", 1.0)
-    if name.startswith("MeanBackward"):
-        return ("mean", float(math.prod(node._saved_self_sym_sizes)))
-    reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum
-    if reduction == 2:
-        return ("sum", 1.0)
-    if reduction == 1:
-        total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
-        return ("mean", float(total_weight) if total_weight is not None else float(node._saved_self.numel()))
-    return (name, math.nan)
-
-
 class StatisticsReducer(Protocol):
     """Combines the Monte Carlo statistics of the processes that train one posterior together
     (`foovb.distributed.distribute` sets one on the optimizer)."""
@@ -160,6 +129,7 @@ class _PendingStep:
     """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses."""
 
     seed: int
+    blocks: list[PosteriorBlock]  # those trained by this step (not frozen since construction)
     stats: dict
     running: _RunningStatistics
     batch_size: int | None
@@ -169,23 +139,6 @@ class _PendingStep:
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
-
-
-class _LossSpy(TorchFunctionMode):
-    """Reads `loss_reduction_of` the first tensor that backward() is called on (before the graph is freed).
-    The closure's returned loss cannot serve: Lightning returns a detached copy, and backward has run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reduction: tuple[str, float] | None = None
-        self.loss: float | None = None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if self.reduction is None and func in (Tensor.backward, torch.autograd.backward) and args \
-                and isinstance(args[0], Tensor):
-            self.reduction = loss_reduction_of(args[0])
-            self.loss = float(args[0].detach().sum())  # backward(gradient) of a non-scalar: its sum
-        return func(*args, **(kwargs or {}))
 
 
 class _RunningStatistics:
@@ -319,11 +272,12 @@ class FOOVB(torch.optim.Optimizer):
             N(0, 2 alpha / (n_in + 2)), prior std sqrt(2 (1 - alpha) / (n_in + 2)) per layer).
         max_full_params: full family: the largest block (its square root of the covariance is d x d).
         loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
-            batch's summed negative log-likelihood. "auto": read from the loss (`loss_reduction_of`): a mean
-            (F.cross_entropy's default, .mean()) is rescaled by its number of terms, a sum is taken as is,
-            anything else is an error that asks for "sum" or "mean". "sum": the loss is L_n (a loss that
-            reads as a mean is an error). "mean": the loss is L_n / n, n from step(closure, batch_size=n)
-            or read from the loss.
+            batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
+            (F.cross_entropy's default, .mean(), label smoothing, a constant times a mean) is rescaled by its
+            number of terms; a loss function's reduction="sum", or a .sum() over one term per row of the model's
+            input, is taken as is; anything else (a mean plus a regulariser) is an error that names the fix,
+            usually step(closure, batch_size=n). "sum": the loss is L_n (a loss that holds a mean is an error).
+            "mean": the loss is L_n / n, n from step(closure, batch_size=n) or read from the loss.
         seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
     """
 
@@ -501,6 +455,7 @@ class FOOVB(torch.optim.Optimizer):
     # -- the posterior ---------------------------------------------------------------------------------------
     def posterior(self, param: Tensor) -> PosteriorView:
         """Mean, marginal std and dense covariance of one model parameter."""
+        self._adopt_model_weights()
         for block in self.blocks:
             for index, p in enumerate(block.params):
                 if p is param:
@@ -515,8 +470,9 @@ class FOOVB(torch.optim.Optimizer):
                 param.copy_(mean)
         drop_autocast_cache()
 
-    def draw_noise(self, seed: int, samples: range, *, antithetic: bool = False) -> dict[PosteriorBlock, Tensor]:
-        """eps for the given sample indices, (len(samples), *noise_shape) per block.
+    def draw_noise(self, seed: int, samples: range, *, antithetic: bool = False,
+                   blocks: list[PosteriorBlock] | None = None) -> dict[PosteriorBlock, Tensor]:
+        """eps for the given sample indices, (len(samples), *noise_shape) per block (of `blocks`; None: all).
 
         The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
         any chunking and any split of the samples across processes see the same draws. With `antithetic`,
@@ -524,9 +480,13 @@ class FOOVB(torch.optim.Optimizer):
         slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
         """
 
+        if self._pending is None:  # drawn for inspection or prediction: from the model's current weights
+            self._adopt_model_weights()
         noises = {}
         generator = torch.Generator()
         for index, block in enumerate(self.blocks):
+            if blocks is not None and block not in blocks:
+                continue
             ref = block.state["mean"]
             out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
             for row, k in enumerate(samples):
@@ -572,29 +532,6 @@ class FOOVB(torch.optim.Optimizer):
                 "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
                 "used. Use one batch per step (a larger batch instead of accumulation), and call "
                 "optimizer.zero_grad() before the first step if the model still holds gradients")
-
-    def _loss_scale(self, reduction: tuple[str, float] | None, batch_size: int | None) -> float:
-        """The factor that turns the loss's gradients into those of L_n, the batch's summed NLL."""
-        kind, terms = reduction if reduction is not None else ("no backward() seen by the optimizer", math.nan)
-        if batch_size is not None:
-            if kind == "sum":
-                raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum")
-            return float(batch_size)
-        if self.loss_reduction == "sum":
-            if kind == "mean":
-                raise ValueError(
-                    f"the loss is a mean over {terms:g} terms, but loss_reduction='sum' (the summed negative "
-                    "log-likelihood of the batch): use reduction='sum' in the loss, or loss_reduction='auto'")
-            return 1.0
-        if kind == "mean":
-            return terms
-        if kind == "sum" and self.loss_reduction == "auto":
-            return 1.0
-        raise ValueError(
-            f"loss_reduction={self.loss_reduction!r} cannot tell how the loss was reduced over the batch (its last "
-            f"operation: {kind}). Pass FOOVB(..., loss_reduction='sum') if the loss is the batch's summed negative "
-            "log-likelihood (plus any regulariser), or loss_reduction='mean' with step(closure, batch_size=n) if "
-            "it is that sum divided by n")
 
     def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> float:
         """One FOO-VB step with K sequential Monte Carlo samples (one network in memory at a time).
@@ -685,17 +622,17 @@ class FOOVB(torch.optim.Optimizer):
         if self.antithetic and k % 2 and pending.noise_of == k - 1:  # the pair's second half: -eps, not redrawn
             noises = {block: noise.neg() for block, noise in pending.noises.items()}
         else:
-            noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic)
+            noises = self.draw_noise(pending.seed, range(k, k + 1), antithetic=self.antithetic, blocks=pending.blocks)
         pending.noises, pending.noise_of = noises, k
         sample = _Sample(k)
-        deferred = {block: noises[block] for block in self._linear_kronecker} if defer else {}
+        linear_kronecker = [block for block in self._linear_kronecker if block in noises]
+        deferred = {block: noises[block] for block in linear_kronecker} if defer else {}
         self.load_sample({block: noise for block, noise in noises.items() if block not in deferred}, 0)
         for p in self._params():
             p.grad = None
         pending.running.restore()
-        spy = _LossSpy() if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
-        capture = (LinearCapture(self._linear_kronecker, deferred, pending.factored_inputs)
-                   if self._linear_kronecker else None)
+        spy = LossSpy(self.model) if pending.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        capture = LinearCapture(linear_kronecker, deferred, pending.factored_inputs) if linear_kronecker else None
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
@@ -703,11 +640,11 @@ class FOOVB(torch.optim.Optimizer):
                 capture.check_seen(sample.loss, list(self._params()))
             self._check_gradients()
             if pending.grad_scale is None:  # the batch is the same for every sample: read its scale once
-                pending.grad_scale = self._loss_scale(spy.reduction, pending.batch_size)
+                pending.grad_scale = spy.scale(self.loss_reduction, pending.batch_size)
             pending.running.record()
             pending.losses.append(sample.loss if reports_loss else spy.loss)
             with full_precision():
-                for block in self.blocks:
+                for block in pending.blocks:
                     if capture is not None and self._accumulate_captured(capture, block, pending, noises[block]):
                         continue
                     grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
@@ -766,9 +703,35 @@ class FOOVB(torch.optim.Optimizer):
                              "the summed loss")
         self._check_param_groups()
         self._refuse_accumulated_gradients()
-        self._pending = _PendingStep(self._next_seed(), {block: block.new_statistics() for block in self.blocks},
+        self._adopt_model_weights()
+        blocks = self._trainable_blocks()
+        self._pending = _PendingStep(self._next_seed(), blocks, {block: block.new_statistics() for block in blocks},
                                      _RunningStatistics(self.model), batch_size)
         return self._pending
+
+    def _adopt_model_weights(self) -> None:
+        """The model's parameters are the posterior mean: values written into them since the last step
+        (model.load_state_dict after the optimizer was built, a manual copy, an EMA swap) become the mean, as
+        they would for any torch optimizer; the covariance is kept."""
+        for block in self.blocks:
+            block.adopt_params()
+
+    def _trainable_blocks(self) -> list[PosteriorBlock]:
+        """The blocks whose parameters require gradients now. A block frozen after construction
+        (requires_grad_(False)) is left out of the step: its weights stay at its posterior mean, unsampled,
+        and its posterior is unchanged until it is unfrozen."""
+        blocks = []
+        for block in self.blocks:
+            trainable = {p.requires_grad for p in block.params}
+            if len(trainable) > 1:
+                raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its "
+                                 "weight and bias together: freeze or unfreeze both (one of them was changed with "
+                                 "requires_grad_ after the optimizer was built)")
+            if trainable == {True}:
+                blocks.append(block)
+        if not blocks:
+            raise ValueError("every parameter is frozen (requires_grad=False): a step has nothing to train")
+        return blocks
 
     def _finish_step(self) -> float:
         """UPDATE from the statistics of the step's K samples; batch-norm statistics as their average."""
@@ -827,28 +790,28 @@ class FOOVB(torch.optim.Optimizer):
             return self.step(closure)
         shard = self.sample_shard
         chunk = len(shard) if chunk_size is None else min(chunk_size, len(shard))
-        modules: dict[nn.Module, list[PosteriorBlock]] = {}
-        for block in self.blocks:
-            modules.setdefault(block.module, []).append(block)
         pending = self._start_step(None)
+        modules: dict[nn.Module, list[PosteriorBlock]] = {}
+        for block in pending.blocks:
+            modules.setdefault(block.module, []).append(block)
         shared_inputs: dict = {}
         try:
             for start in range(0, len(shard), chunk):
                 samples = shard[start : start + chunk]
                 c = len(samples)
-                noises = self.draw_noise(pending.seed, samples, antithetic=self.antithetic)
+                noises = self.draw_noise(pending.seed, samples, antithetic=self.antithetic, blocks=pending.blocks)
                 with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
                     with torch.enable_grad():
                         outputs = self.model(inputs)
                         loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
                         # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
                         reduction = loss_reduction_of(loss)
-                        grad_scale = self._loss_scale(reduction, None)
+                        grad_scale = loss_scale(reduction, self.loss_reduction, None, frozenset({c * rows}))
                         loss.backward()
                     with full_precision():
                         network.accumulate(pending.stats, grad_scale, shared_inputs)
                 value = float(loss.detach())
-                pending.losses.extend([value if reduction[0] == "mean" else value / c] * c)
+                pending.losses.extend([value if reduction.kind == "mean" else value / c] * c)
                 pending.count += c
         except BaseException:
             self._pending = None
@@ -862,28 +825,29 @@ class FOOVB(torch.optim.Optimizer):
         """All-reduce the statistics under torch.distributed, check them, then UPDATE every block.
 
         Returns the mean loss over all samples (of all processes)."""
+        blocks = list(stats)  # the blocks this step trains (frozen ones are left out)
         if self.statistics_reducer is not None:
-            stats, num_samples, losses = self.statistics_reducer.reduce(self.blocks, stats, num_samples, losses)
+            stats, num_samples, losses = self.statistics_reducer.reduce(blocks, stats, num_samples, losses)
 
         def pieces(block: PosteriorBlock) -> list[Tensor]:
             return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
 
         # NaN/Inf propagate through norms: one synchronisation for all blocks, then find the culprits
-        norms = torch._foreach_norm([t for block in self.blocks for t in pieces(block)])
+        norms = torch._foreach_norm([t for block in blocks for t in pieces(block)])
         bad = [] if torch.stack(norms).sum().isfinite() else [
-            b for b in self.blocks if not all(torch.isfinite(t).all() for t in pieces(b))]
+            b for b in blocks if not all(torch.isfinite(t).all() for t in pieces(b))]
         if bad or not all(math.isfinite(v) for v in losses):
             where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
             raise FloatingPointError(
                 f"non-finite values in {where} at step {self.steps_taken}; the posterior was left unchanged")
-        before = {block: {key: value.clone() for key, value in block.state.items()} for block in self.blocks}
+        before = {block: {key: value.clone() for key, value in block.state.items()} for block in blocks}
         with full_precision():
-            for block in self.blocks:
+            for block in blocks:
                 block.update(stats[block], num_samples, self.mean_step, self.cov_step)
         # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
-        new_state = [value for block in self.blocks for value in block.state.values()]
+        new_state = [value for block in blocks for value in block.state.values()]
         if not torch.stack(torch._foreach_norm(new_state)).sum().isfinite():
-            for block in self.blocks:
+            for block in blocks:
                 block.state.clear()  # entries that the failed update created (cov_momentum's average) go too
                 block.state.update(before[block])
             raise FloatingPointError(
@@ -897,6 +861,7 @@ class FOOVB(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The posterior, the noise generator and the hyperparameters. The tensors are copies: later steps do
         not change a saved state dict."""
+        self._adopt_model_weights()
         state = super().state_dict()
         state["state"] = {index: {key: value.clone() for key, value in param_state.items()}
                           for index, param_state in state["state"].items()}

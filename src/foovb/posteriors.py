@@ -130,6 +130,30 @@ class PosteriorBlock(ABC):
         """Posterior means in the parameters' shapes."""
 
     @abstractmethod
+    def params_as_mean(self) -> Tensor:
+        """The parameters' current values in the layout of state["mean"] (a new tensor or a detached view)."""
+
+    @torch.no_grad()
+    def adopt_params(self) -> bool:
+        """Take values written into the parameters since the mean was loaded (model.load_state_dict, a manual
+        copy) as the posterior mean; the covariance is kept. Returns whether the mean changed.
+        A parameter moved to another device or dtype, or holding non-finite values, is a ValueError."""
+        means = self.mean_values()
+        for param, mean in zip(self.params, means, strict=True):
+            if param.device != mean.device or param.dtype != mean.dtype:
+                raise ValueError(f"a {tuple(param.shape)} parameter was moved or cast to {param.device}/"
+                                 f"{param.dtype} after the optimizer was built on {mean.device}/{mean.dtype}: "
+                                 "build FOOVB after model.to(...), or load_state_dict a saved one into a new "
+                                 "FOOVB built after it")
+        if all(torch.equal(param, mean) for param, mean in zip(self.params, means, strict=True)):
+            return False
+        if not all(bool(torch.isfinite(param).all()) for param in self.params):
+            raise ValueError(f"a {tuple(self.params[0].shape)} parameter holds non-finite values written into "
+                             "the model since the last step; the posterior was left unchanged")
+        self.state["mean"].copy_(self.params_as_mean())
+        return True
+
+    @abstractmethod
     def view(self, index: int) -> PosteriorView:
         """The posterior of params[index]."""
 
@@ -192,6 +216,9 @@ class DiagonalBlock(PosteriorBlock):
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
 
+    def params_as_mean(self) -> Tensor:
+        return self.params[0].detach()
+
     def view(self, index: int) -> PosteriorView:
         std = self.state["std"].clone()
         return PosteriorView(self.state["mean"].clone(), std, lambda: torch.diag(std.flatten().square()))
@@ -223,14 +250,14 @@ class KroneckerBlock(PosteriorBlock):
                 mean = torch.randn(self.out_features, n, generator=generator, dtype=weight.dtype)
                 mean = mean.to(weight.device) * math.sqrt(2 * alpha / (self.in_features + 2))
             else:
-                mean = self._stack_params()
+                mean = self.params_as_mean()
             scale = (2 * (1 - alpha) / (self.in_features + 2)) ** 0.25
             state["mean"] = mean
             state["input_sqrt_cov"] = scale * torch.eye(n, dtype=weight.dtype, device=weight.device)
             state["output_sqrt_cov"] = scale * torch.eye(self.out_features, dtype=weight.dtype,
                                                          device=weight.device)
 
-    def _stack_params(self) -> Tensor:
+    def params_as_mean(self) -> Tensor:
         weight = self.params[0].detach().reshape(self.out_features, -1)
         return torch.cat([weight, self.params[1].detach()[:, None]], 1) if self.has_bias else weight.clone()
 
@@ -352,7 +379,7 @@ class FullBlock(PosteriorBlock):
         super().__init__(params, state, module)
         self.sizes = [p.numel() for p in self.params]
         if not state:
-            flat = torch.cat([p.detach().flatten() for p in self.params])
+            flat = self.params_as_mean()
             state["mean"] = flat
             state["sqrt_cov"] = std_init * torch.eye(flat.numel(), dtype=flat.dtype, device=flat.device)
 
@@ -384,6 +411,9 @@ class FullBlock(PosteriorBlock):
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
+
+    def params_as_mean(self) -> Tensor:
+        return torch.cat([p.detach().flatten() for p in self.params])
 
     def view(self, index: int) -> PosteriorView:
         a = self.state["sqrt_cov"]

@@ -1,0 +1,221 @@
+"""How the loss that a closure calls backward() on relates to the paper's L_n, the batch's summed negative
+log-likelihood (the cumulative cost of Eq. "variational bayes"), read from the loss's autograd graph.
+
+FOO-VB's update uses the gradients of L_n itself: a mean loss must be multiplied back by its number of terms,
+and a guess that is wrong by the batch size shrinks or inflates every update silently. So the reading accepts
+only what it can tell for sure, and everything else is an error that names the one fix for the loss it saw:
+
+- a mean over n terms (`F.cross_entropy`'s default, `.mean()`, a sum divided by its own number of terms),
+  also scaled by a constant (`loss / 2`, `-logp.mean()`) or added to another mean over the same n terms
+  (label smoothing): the gradients are multiplied by n;
+- a loss function's `reduction="sum"`: taken as L_n;
+- a `.sum()` over a tensor with one leading row per row of the model's input (per-example losses): taken as L_n;
+  a `.sum()` of a one-element tensor is looked through (`F.cross_entropy(out, y).sum()` is the mean);
+- anything else (a mean plus a regulariser, a `.sum()` over a stack of losses, over more or fewer rows than the
+  batch has) is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["LossReduction", "loss_reduction_of", "loss_scale"]
+
+_SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0")
+_COMBINATIONS = ("AddBackward0", "SubBackward0")
+
+
+class LossReduction(NamedTuple):
+    """What `loss_reduction_of` read: `kind` "mean", "sum" or, for a loss that is neither, the name of the
+    operation that made it (e.g. "AddBackward0" for loss + regulariser).
+
+    terms: a mean's number of terms (its divisor); a `.sum()`'s number of leading rows (nan for a loss function's
+    reduction="sum", which is trusted); nan otherwise. mean_inside: for a loss that is neither, the number of
+    terms of a mean among its operands (a mean loss plus a regulariser), else nan.
+    """
+
+    kind: str
+    terms: float
+    mean_inside: float = math.nan
+
+
+def _constant_operand(node: object) -> object | None:
+    """The autograd input of a multiplication / division by a constant scalar (or a negation); None else."""
+    name = type(node).__name__
+    if name == "NegBackward0":
+        return node.next_functions[0][0]
+    if name in ("MulBackward1", "DivBackward1"):  # by a Python number
+        return node.next_functions[0][0]
+    if name in ("MulBackward0", "DivBackward0"):
+        first, second = node.next_functions[0][0], node.next_functions[1][0]
+        if second is None and getattr(node, "_saved_other", None) is not None and node._saved_other.numel() == 1:
+            return first
+        if name == "MulBackward0" and first is None and getattr(node, "_saved_self", None) is not None \
+                and node._saved_self.numel() == 1:
+            return second
+    return None
+
+
+def _divisor(node: object) -> float | None:
+    """The constant a DivBackward node divides by."""
+    name = type(node).__name__
+    if name == "DivBackward0" and node.next_functions[1][0] is None:
+        return float(node._saved_other)
+    if name == "DivBackward1":
+        return float(node._saved_other)
+    return None
+
+
+def _read(node: object, depth: int = 0) -> LossReduction:
+    if node is None:
+        return LossReduction("no graph", math.nan)
+    name = type(node).__name__
+    inner = _constant_operand(node)
+    if inner is not None and depth < 16:
+        found = _read(inner, depth + 1)
+        divisor = _divisor(node)
+        # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term)
+        if found.kind == "sum" and divisor is not None and divisor == found.terms:
+            return LossReduction("mean", found.terms)
+        return found
+    if name.startswith("SumBackward"):
+        sizes = tuple(node._saved_self_sym_sizes)
+        if math.prod(sizes) == 1 and depth < 16:  # the sum of a one-element tensor: itself
+            return _read(node.next_functions[0][0], depth + 1)
+        source = type(node.next_functions[0][0]).__name__
+        if source in ("StackBackward0", "CatBackward0"):  # a sum over a list of losses, not over examples
+            return LossReduction(f"a .sum() over a {source[:-9].lower()} of values", math.nan)
+        return LossReduction("sum", float(sizes[0]) if sizes else 1.0)
+    if name.startswith("MeanBackward"):
+        return LossReduction("mean", float(math.prod(node._saved_self_sym_sizes)))
+    reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum
+    if reduction == 2:
+        return LossReduction("sum", math.nan)
+    if reduction == 1:
+        total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
+        return LossReduction("mean", float(total_weight) if total_weight is not None
+                             else float(node._saved_self.numel()))
+    if name in _COMBINATIONS and depth < 16:
+        parts = [_read(child, depth + 1) for child, _ in node.next_functions if child is not None]
+        if len(parts) == 2 and parts[0].kind == parts[1].kind == "mean" and parts[0].terms == parts[1].terms:
+            return parts[0]  # two means over the same terms: a mean of their weighted sum (label smoothing)
+        means = [part.terms if part.kind == "mean" else part.mean_inside for part in parts]
+        return LossReduction(name, math.nan, next((n for n in means if not math.isnan(n)), math.nan))
+    return LossReduction(name, math.nan)
+
+
+def loss_reduction_of(loss: Tensor) -> LossReduction:
+    """How a scalar loss was reduced over its terms, read from the last operations of its autograd graph (the
+    rules: this module's docstring). Must be called before backward(), which frees what the graph saved."""
+    if loss.grad_fn is None:
+        return LossReduction("no graph", math.nan)
+    if loss.numel() != 1:
+        return LossReduction("a non-scalar loss", math.nan)
+    return _read(loss.grad_fn)
+
+
+def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int | None,
+               rows: frozenset[int]) -> float:
+    """The factor that turns the gradients of a loss reduced as `reduction` into those of L_n.
+
+    declared: the optimizer's loss_reduction ("auto", "sum" or "mean"); batch_size: step(closure, batch_size=n);
+    rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
+    Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
+    """
+    kind, terms, mean_inside = reduction if reduction is not None else ("no backward() seen", math.nan, math.nan)
+    batch = next(iter(rows)) if len(rows) == 1 else None
+    n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
+    if batch_size is not None:
+        if kind == "sum":
+            raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum: "
+                             "drop batch_size")
+        return float(batch_size)
+    if declared == "sum":
+        if kind == "mean" or not math.isnan(mean_inside):
+            what = "is a mean" if kind == "mean" else f"adds a mean ({kind}) to other terms"
+            fix = ("use reduction='sum' in the loss function" if kind == "mean" else
+                   f"keep loss_reduction='auto' and call step(closure, batch_size={n or 'n'})")
+            raise ValueError(f"loss_reduction='sum' says the loss is the batch's summed negative log-likelihood, "
+                             f"but it {what} over {terms if kind == 'mean' else mean_inside:g} terms: {fix}")
+        return 1.0
+    if kind == "mean":
+        return terms
+    if declared == "mean":
+        raise ValueError(f"loss_reduction='mean' says the loss is a mean, but its last operation is "
+                         f"{'a sum' if kind == 'sum' else kind}: return the mean, or call "
+                         f"step(closure, batch_size={n or 'n'}) to give its number of terms")
+    if kind == "sum":
+        if math.isnan(terms) or terms in rows:  # a loss function's reduction="sum", or one term per input row
+            return 1.0
+        seen = (f"the model's input has {' or '.join(str(r) for r in sorted(rows))} rows" if rows else
+                "the model was not called on a tensor in the closure")
+        raise ValueError(
+            f"the loss is a .sum() over {terms:g} leading rows, but {seen}: it cannot be told to be the batch's "
+            "summed negative log-likelihood. If it is, say so with FOOVB(..., loss_reduction='sum'), or use "
+            "the loss function's reduction='sum'")
+    if not math.isnan(mean_inside):
+        raise ValueError(
+            f"the loss adds a mean over {mean_inside:g} terms to something else ({kind}: e.g. a regulariser), so "
+            f"how it relates to the batch's summed negative log-likelihood cannot be read from it: call "
+            f"step(closure, batch_size={n or 'n'}) to say it is a mean over the batch (everything is multiplied "
+            "by the batch size)")
+    raise ValueError(
+        f"cannot tell how the loss was reduced over the batch (its last operation: {kind}): call backward() on the "
+        f"loss function's output itself (its mean, or reduction='sum'), or call step(closure, "
+        f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows")
+
+
+class LossSpy(TorchFunctionMode):
+    """Reads `loss_reduction_of` every tensor that backward() is called on (before the graph is freed), and the
+    leading size of the model's tensor inputs. The closure's returned loss cannot serve: Lightning returns a
+    detached copy, and backward has run."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.reductions: list[LossReduction] = []
+        self.losses: list[float] = []
+        self.rows: set[int] = set()
+        self._hook = None
+
+    def __enter__(self) -> LossSpy:
+        self._hook = self.model.register_forward_pre_hook(self._record_rows, with_kwargs=True)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.remove()
+        super().__exit__(*exc)
+
+    def _record_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        if first is not None and first.ndim:
+            self.rows.add(first.shape[0])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in (Tensor.backward, torch.autograd.backward) and args and isinstance(args[0], Tensor):
+            self.reductions.append(loss_reduction_of(args[0]))
+            self.losses.append(float(args[0].detach().sum()))  # backward(gradient) of a non-scalar: its sum
+        return func(*args, **(kwargs or {}))
+
+    def scale(self, declared: str, batch_size: int | None) -> float:
+        """The one factor for all the backward() calls of the closure (`loss_scale` of each, which must agree)."""
+        if not self.reductions:
+            return loss_scale(None, declared, batch_size, frozenset(self.rows))
+        scales = [loss_scale(r, declared, batch_size, frozenset(self.rows)) for r in self.reductions]
+        if any(s != scales[0] for s in scales):
+            raise ValueError(
+                f"the closure called backward() {len(scales)} times on losses of different scales (means over "
+                f"{', '.join(f'{s:g}' for s in scales)} terms, e.g. gradient accumulation over micro-batches of "
+                "unequal size): one factor cannot turn their summed gradients into those of the batch's summed "
+                "loss. Use the loss function's reduction='sum' for each micro-batch")
+        return scales[0]
+
+    @property
+    def loss(self) -> float | None:
+        """The sum of the losses backward() was called on (None if it was not)."""
+        return sum(self.losses) if self.losses else None
