@@ -227,3 +227,28 @@ def test_checkpoint_resume_is_identical_to_an_uninterrupted_run(mnist, tmp_path)
         assert entries.keys() == full_state["state"][index].keys()
         for key, value in entries.items():
             assert torch.equal(value, full_state["state"][index][key]), (index, key)
+
+
+class LoadsWeightsOnTrainStart(Classifier):
+    """Loads weights into the module after Lightning built the optimizer (configure_optimizers runs first)."""
+
+    def __init__(self, weights: dict):
+        super().__init__()
+        self.weights = weights
+
+    def on_train_start(self):
+        self.net.load_state_dict(self.weights)
+
+
+def test_weights_loaded_after_the_optimizer_was_built_are_trained(mnist, tmp_path):
+    """Issue 35: the loaded weights were silently replaced by the optimizer's copy of the initial ones. Now the
+    run trains the loaded weights: the same posterior as a run whose module starts from them."""
+    x, y, _, _ = mnist
+    pretrained = make_net(seed=7).state_dict()
+    late, late_snapshots = LoadsWeightsOnTrainStart(pretrained), Snapshots()
+    trainer(tmp_path / "late", max_steps=3, callbacks=[late_snapshots]).fit(late, loader(x, y))
+    early, early_snapshots = Classifier(), Snapshots()
+    early.net.load_state_dict(pretrained)
+    trainer(tmp_path / "early", max_steps=3, callbacks=[early_snapshots]).fit(early, loader(x, y))
+    for got, want in zip(late_snapshots.posteriors[-1], early_snapshots.posteriors[-1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

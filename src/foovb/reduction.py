@@ -7,8 +7,8 @@ only what it can tell for sure, and everything else is an error that names the o
 
 - a mean over n terms (`F.cross_entropy`'s default, `.mean()`, a sum divided by its own number of terms),
   also scaled by a constant (`loss / 2`, `-logp.mean()`) or added to another mean over the same n terms
-  (label smoothing): the gradients are multiplied by n;
-- a loss function's `reduction="sum"`: taken as L_n;
+  (label smoothing): the gradients are multiplied by n (the step of the summed loss, `loss / 2` of a halved one);
+- a loss function's `reduction="sum"` (also with label smoothing): taken as L_n;
 - a `.sum()` over a tensor with one leading row per row of the model's input (per-example losses): taken as L_n;
   a `.sum()` of a one-element tensor is looked through (`F.cross_entropy(out, y).sum()` is the mean);
 - anything else (a mean plus a regulariser, a `.sum()` over a stack of losses, over more or fewer rows than the
@@ -104,6 +104,10 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         parts = [_read(child, depth + 1) for child, _ in node.next_functions if child is not None]
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "mean" and parts[0].terms == parts[1].terms:
             return parts[0]  # two means over the same terms: a mean of their weighted sum (label smoothing)
+        if len(parts) == 2 and parts[0].kind == parts[1].kind == "sum":  # label smoothing with reduction="sum"
+            rows = {part.terms for part in parts if not math.isnan(part.terms)}
+            if len(rows) <= 1:
+                return LossReduction("sum", rows.pop() if rows else math.nan)
         means = [part.terms if part.kind == "mean" else part.mean_inside for part in parts]
         return LossReduction(name, math.nan, next((n for n in means if not math.isnan(n)), math.nan))
     return LossReduction(name, math.nan)
@@ -177,24 +181,36 @@ class LossSpy(TorchFunctionMode):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = model
+        self.modules = {id(module) for module in model.modules()}
         self.reductions: list[LossReduction] = []
         self.losses: list[float] = []
-        self.rows: set[int] = set()
-        self._hook = None
+        self.rows: set[int] = set()  # leading sizes of the inputs of the outermost calls into the model
+        self._depth = 0
+        self._hooks: list = []
 
     def __enter__(self) -> LossSpy:
-        self._hook = self.model.register_forward_pre_hook(self._record_rows, with_kwargs=True)
+        # global hooks: the closure may call the model or only its submodules (Lightning's self.net(x))
+        self._hooks = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                       nn.modules.module.register_module_forward_hook(self._leave_module)]
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         super().__exit__(*exc)
 
-    def _record_rows(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-        if first is not None and first.ndim:
-            self.rows.add(first.shape[0])
+    def _enter_module(self, module: nn.Module, args: tuple) -> None:
+        if id(module) not in self.modules:
+            return
+        if self._depth == 0:
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            if first is not None and first.ndim:
+                self.rows.add(first.shape[0])
+        self._depth += 1
+
+    def _leave_module(self, module: nn.Module, args: tuple, output: object) -> None:
+        if id(module) in self.modules:
+            self._depth -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func in (Tensor.backward, torch.autograd.backward) and args and isinstance(args[0], Tensor):

@@ -1,0 +1,250 @@
+"""Standard patterns that used to give a wrong answer silently (issue 35), one test per pattern: weights written
+into the model after the optimizer was built, how the loss was reduced (sums, scaled means, label smoothing,
+micro-batches inside the closure, a regulariser), and layers frozen after construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, all_equal, mlp, mlp_batch, posterior_snapshot
+
+from foovb import FOOVB
+from foovb.predict import predict
+
+X, Y = mlp_batch(rows=8)
+
+
+def closure_of(model, loss_fn, x=X, y=Y):
+    def closure():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def summed_ce(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def assert_same_posterior(got, want, rtol=1e-5, atol=1e-6):
+    for a, b in zip(posterior_snapshot(got), posterior_snapshot(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def one_step(loss_fn, family="diagonal", seed=0, **options):
+    model = mlp(seed=seed)
+    opt = FOOVB(model, family, 4, seed=3, **options)
+    opt.step(closure_of(model, loss_fn))
+    return opt
+
+
+# -- weights written into the model between steps --------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_loaded_after_construction_are_the_mean_of_the_next_step(family):
+    """model.load_state_dict after FOOVB(model): the next step starts from the loaded weights, as it does for an
+    optimizer built on the loaded model (the prior std is shape-only, so both posteriors are identical)."""
+    pretrained = mlp(seed=5).state_dict()
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    opt.step(closure_of(model, summed_ce))  # a step before the load: its mean is replaced, its covariance kept
+    model.load_state_dict(pretrained)
+    for name, param in model.named_parameters():  # seen at once by posterior() and state_dict()
+        assert torch.equal(opt.posterior(param).mean, pretrained[name])
+    seen = []
+
+    def closure():
+        seen.append([p.detach().clone() for p in model.parameters()])
+        return closure_of(model, summed_ce)()
+
+    opt.step(closure)
+    # the samples are drawn around the loaded weights: their average over an antithetic pair is the loaded mean
+    for a, b, want in zip(seen[0], seen[1], pretrained.values(), strict=True):
+        torch.testing.assert_close((a + b) / 2, want, rtol=1e-5, atol=1e-6)
+    moved = [p.detach() - w for p, w in zip(model.parameters(), pretrained.values(), strict=True)]
+    assert 0 < max(float(m.abs().max()) for m in moved) < 0.5  # a step from the loaded weights, not back
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_load_before_the_first_step_gives_the_step_of_an_optimizer_built_after_it(family):
+    pretrained = mlp(seed=5).state_dict()
+    late = mlp(seed=0)
+    late_opt = FOOVB(late, family, 4, seed=3)
+    late.load_state_dict(pretrained)
+    late_opt.step(closure_of(late, summed_ce))
+    early = mlp(seed=0)
+    early.load_state_dict(pretrained)
+    early_opt = FOOVB(early, family, 4, seed=3)
+    early_opt.step(closure_of(early, summed_ce))
+    assert all_equal(posterior_snapshot(late_opt), posterior_snapshot(early_opt))
+    assert all_equal(list(late.parameters()), list(early.parameters()))
+
+
+def test_sampled_predictions_and_the_state_dict_use_weights_written_after_construction():
+    pretrained = mlp(seed=5).state_dict()
+    model = mlp(seed=0)
+    opt = FOOVB(model, "kronecker", 4, seed=3)
+    model.load_state_dict(pretrained)
+    reference_model = mlp(seed=0)
+    reference_model.load_state_dict(pretrained)
+    reference = FOOVB(reference_model, "kronecker", 4, seed=3)
+    got, want = predict(opt, X, 3, seed=1), predict(reference, X, 3, seed=1)
+    assert torch.equal(got.samples, want.samples) and torch.equal(got.mean, want.mean)
+    with opt.sampled_params(seed=2), reference.sampled_params(seed=2):
+        assert all_equal(list(model.parameters()), list(reference_model.parameters()))
+    saved = opt.state_dict()["state"]
+    assert all_equal([saved[i]["mean"] for i in sorted(saved)],
+                     [s["mean"] for s in (reference.state_dict()["state"][i] for i in sorted(saved))])
+
+
+def test_non_finite_or_moved_weights_written_after_construction_are_errors():
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    before = posterior_snapshot(opt)
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values written into the model"):
+        opt.step(closure_of(model, summed_ce))
+    assert all_equal(posterior_snapshot(opt), before)
+    model = mlp()
+    opt = FOOVB(model, "kronecker", 4)
+    model.double()
+    with pytest.raises(ValueError, match="moved or cast .* after the optimizer was built"):
+        opt.step(closure_of(model, summed_ce, x=X.double()))
+
+
+# -- how the loss was reduced ------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("loss_fn", "summed"), [
+    # a .sum() over a one-element mean: the mean
+    (lambda out, y: F.cross_entropy(out, y).sum(), summed_ce),
+    # label smoothing keeps a mean over the batch
+    (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
+     lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="sum")),
+    # a constant times a mean: a mean of scaled terms
+    (lambda out, y: F.cross_entropy(out, y) / 2, lambda out, y: summed_ce(out, y) / 2),
+    (lambda out, y: -out.log_softmax(-1)[torch.arange(len(y)), y].mean(), summed_ce),
+    # per-example losses summed over the batch's rows
+    (lambda out, y: F.cross_entropy(out, y, reduction="none").sum(), summed_ce),
+])
+def test_scaled_means_and_row_sums_take_the_step_of_the_summed_loss(family, loss_fn, summed):
+    assert_same_posterior(one_step(loss_fn, family), one_step(summed, family))
+
+
+def test_a_sum_over_a_stack_of_losses_is_refused_with_the_batch_size_fix():
+    """torch.stack([mean, regulariser]).sum() was taken as the batch's sum (updates 8x too small here)."""
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match=r"step\(closure, batch_size=8\)"):
+        opt.step(closure_of(model, lambda out, y: torch.stack(
+            [F.cross_entropy(out, y), 1e-3 * model[0].weight.square().sum()]).sum()))
+    assert all_equal(posterior_snapshot(opt), before)
+    with pytest.raises(ValueError, match="a .sum\\(\\) over 4 leading rows, but the model's input has 8 rows"):
+        opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y, reduction="none")[:4].sum()))
+
+
+def test_a_regularised_mean_is_refused_and_its_fix_gives_the_regularised_sum():
+    """mean + regulariser: the error names step(closure, batch_size=8), whose step is that of the summed loss
+    plus 8 regularisers; loss_reduction='sum' (the error of 1.0 suggested it) is refused for it."""
+    def regularised_mean(out, y, model):
+        return F.cross_entropy(out, y) + 1e-2 * model[0].weight.square().sum()
+
+    model = mlp()
+    with pytest.raises(ValueError, match=r"adds a mean over 8 terms .* step\(closure, batch_size=8\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda o, y: regularised_mean(o, y, model)))
+    with pytest.raises(ValueError, match=r"loss_reduction='sum' .* batch_size=8"):
+        FOOVB(model, "diagonal", 4, loss_reduction="sum").step(
+            closure_of(model, lambda o, y: regularised_mean(o, y, model)))
+    fixed_model = mlp(seed=0)
+    fixed = FOOVB(fixed_model, "diagonal", 4, seed=3)
+    fixed.step(closure_of(fixed_model, lambda o, y: regularised_mean(o, y, fixed_model)), batch_size=8)
+    summed_model = mlp(seed=0)
+    summed = FOOVB(summed_model, "diagonal", 4, seed=3, loss_reduction="sum")
+    summed.step(closure_of(summed_model, lambda o, y: summed_ce(o, y) + 8e-2 * summed_model[0].weight.square().sum()))
+    assert_same_posterior(fixed, summed)
+
+
+def micro_batch_closure(model, sizes, reduce):
+    def closure():
+        start, total = 0, 0.0
+        for size in sizes:
+            out = model(X[start:start + size])
+            loss = F.cross_entropy(out, Y[start:start + size], reduction=reduce)
+            loss.backward()
+            total, start = total + float(loss.detach()), start + size
+        return torch.tensor(total)
+
+    return closure
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_micro_batches_inside_the_closure_are_scaled_each_or_refused(family):
+    """Gradient accumulation inside the closure: summed micro-batch losses, or means over equal micro-batches,
+    take the one-batch step; means over unequal ones (6 + 2 rows) are refused (one scale was applied to both)."""
+    reference = one_step(summed_ce, family)
+    for sizes, reduce in (((6, 2), "sum"), ((4, 4), "mean")):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        opt.step(micro_batch_closure(model, sizes, reduce))
+        assert_same_posterior(opt, reference)
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match="backward\\(\\) 2 times on losses of different scales"):
+        opt.step(micro_batch_closure(model, (6, 2), "mean"))
+    assert all_equal(posterior_snapshot(opt), before)
+
+
+# -- layers frozen after construction ---------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_frozen_after_construction_is_left_out_of_the_step(family):
+    """requires_grad_(False) after FOOVB(model): the closure sees that layer at its posterior mean (no sampling
+    noise), its posterior does not change, the other layers train as with an optimizer built without it;
+    unfreezing it trains it again."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    frozen_before = [p.detach().clone() for p in model[0].parameters()]
+    model[0].requires_grad_(False)
+    seen = []
+
+    def closure():
+        seen.append([p.detach().clone() for p in model[0].parameters()])
+        return closure_of(model, summed_ce)()
+
+    opt.step(closure)
+    assert len(seen) == 4 and all(all_equal(s, frozen_before) for s in seen)
+    assert all_equal([opt.posterior(p).mean for p in model[0].parameters()], frozen_before)
+    assert all_equal(list(model[0].parameters()), frozen_before)
+    assert not all_equal(list(model[2].parameters()), list(mlp(seed=0)[2].parameters()))  # the head trained
+    model[0].requires_grad_(True)
+    opt.step(closure_of(model, summed_ce))
+    assert not all_equal(list(model[0].parameters()), frozen_before)
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker"])
+def test_the_batched_step_leaves_a_frozen_layer_out_as_the_sequential_one(family):
+    results = []
+    for batched in (False, True):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        model[2].requires_grad_(False)
+        if batched:
+            opt.step_batched(X, Y)
+        else:
+            opt.step(closure_of(model, summed_ce))
+        results.append(opt)
+    assert_same_posterior(results[1], results[0])
+    assert all_equal([v for p in results[1].model[2].parameters() for v in (results[1].posterior(p).mean,)],
+                     list(mlp(seed=0)[2].parameters()))
+
+
+def test_freezing_half_of_a_matrix_variate_layer_is_refused():
+    model = mlp()
+    opt = FOOVB(model, "kronecker", 4)
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="weight and bias together"):
+        opt.step(closure_of(model, summed_ce))
+    model[0].weight.requires_grad_(True)
+    opt.step(closure_of(model, summed_ce))  # both trainable again: the step runs
