@@ -192,7 +192,7 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes_it(config
         assert _cli_run(config_file, out) == 130
     assert signal.getsignal(signal.SIGINT) is handler
     err = capfd.readouterr().err
-    assert "Traceback" not in err and "foovb: stopping after this iteration" in err
+    assert "Traceback" not in err and "foovb: Ctrl-C: stopping after this iteration" in err
     command = f"foovb run {config_file} --out {out} --resume --no-progress"
     assert f"foovb: interrupted: {saved}{out / 'checkpoint.pt'}; resume with: {command}\n" in err
     assert _checkpoint_iteration(out) == saved_at

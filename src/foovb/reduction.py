@@ -135,7 +135,7 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
-        if kind == "sum":
+        if kind == "sum" and (math.isnan(terms) or terms == batch_size):  # a loss function's sum, or over the rows
             raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum: "
                              "drop batch_size")
         return float(batch_size)

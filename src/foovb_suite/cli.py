@@ -7,6 +7,7 @@ import argparse
 import csv
 import re
 import shlex
+import signal
 import sys
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from foovb import __version__
 
 from .config import ConfigError, config_from_dict, load_config
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
+from .rundir import CheckpointError
 
 __all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
@@ -59,7 +61,8 @@ def _configs(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Train one config; a diverging run exits with 1, Ctrl-C with 130 (each with one message, no traceback)."""
+    """Train one config; a diverging run exits with 1, Ctrl-C with 130, SIGTERM with 143 (each with one message,
+    no traceback)."""
     from .runner import TrainingDiverged, run
 
     config = load_config(config_path(args.config), args.set)
@@ -70,8 +73,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"foovb: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as error:
-        print(_interrupted_message(str(error), args, run_dir), file=sys.stderr)
-        return 130
+        signum = getattr(error, "signal_number", signal.SIGINT)
+        print(_interrupted_message(str(error), args, run_dir, signum), file=sys.stderr)
+        return 128 + signum
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     for mode, entry in summary["modes"].items():
@@ -82,9 +86,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupted_message(saved: str, args: argparse.Namespace, run_dir: Path) -> str:
-    """The line printed on Ctrl-C: what was saved, and the command that resumes from the run's checkpoint."""
-    message = "foovb: interrupted" + (f": {saved}" if saved else "")
+def _interrupted_message(saved: str, args: argparse.Namespace, run_dir: Path, signum: int = signal.SIGINT) -> str:
+    """The line printed on Ctrl-C or SIGTERM: what was saved, and the command that resumes from the checkpoint."""
+    stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    message = f"foovb: {stopped}" + (f": {saved}" if saved else "")
     if not (run_dir / "checkpoint.pt").is_file():
         return message
     command = ["foovb", "run", args.config, *(part for value in args.set for part in ("--set", value)),
@@ -231,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `foovb` argument parser (its subcommands carry their function in `func`)."""
     parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
     parser.add_argument("--version", action="version", version=f"foovb {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error (by default one 'foovb: error:' line)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="train and evaluate one experiment config")
     p_run.add_argument("config", help="a YAML config file, or the name of a bundled one (foovb configs)")
@@ -263,12 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The failures a user can cause and fix (a config, a file, a directory, the disk): one line, exit 2. Anything else
+# is a bug of ours and keeps its traceback.
+USER_ERRORS = (ConfigError, CheckpointError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as error:
-        print(f"foovb: error: {error}", file=sys.stderr)
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        text = error.strerror if isinstance(error, OSError) and error.strerror and not error.filename else error
+        print(f"foovb: error: {' '.join(str(text).split())}", file=sys.stderr)
         return 2
 
 

@@ -7,6 +7,7 @@ A bad config (unknown key, wrong type, impossible value) raises `ConfigError` na
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -40,7 +41,18 @@ SCENARIO_KEYS = {
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader reading ``1e6`` and ``5.8e6`` as numbers (YAML 1.1 leaves them strings; 1.2 does not)."""
+    """PyYAML's safe loader reading ``1e6`` and ``5.8e6`` as numbers (YAML 1.1 leaves them strings; 1.2 does not),
+    and refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -91,7 +103,7 @@ class EvalConfig:
 
 # How a run executes, not what it computes: `--resume` accepts a change of these (e.g. resuming on a machine with
 # more cores or a GPU); a different thread count or device may change the last bits of floating-point results.
-EXECUTION_KEYS = ("threads", "device", "checkpoint_every")
+EXECUTION_KEYS = ("threads", "device", "checkpoint_every", "checkpoint_minutes")
 
 
 @dataclass
@@ -103,6 +115,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     checkpoint_every: int = 2000  # iterations between checkpoints (plus one at every evaluation)
+    checkpoint_minutes: float = 5.0  # and at most this long between checkpoints (a SIGKILL loses at most that much)
     threads: int | None = None  # torch.set_num_threads
     device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda" or "cuda:N"
 
@@ -197,6 +210,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("model.bias: the lenet model has fixed layers; bias: false is for the mlp")
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
+    if not (math.isfinite(config.checkpoint_minutes) and config.checkpoint_minutes > 0):
+        raise ConfigError(f"checkpoint_minutes: expected a positive number, got {config.checkpoint_minutes!r}")
     _positive("threads", config.threads)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
         raise ConfigError(f"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")

@@ -42,6 +42,7 @@ from .baselines import BASELINES
 from .config import CONTINUOUS, EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
+from .rundir import RunLock, load_checkpoint, save_checkpoint, write_atomically
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -139,16 +140,8 @@ def tasks_seen(records: list[dict], config: Config) -> list[float]:
     return [r["stage"] + 1 for r in records]
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomically(text.encode(), path)
 
 
 class _Evaluator:
@@ -219,37 +212,43 @@ class TrainingDiverged(FloatingPointError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a run (a KeyboardInterrupt, so `except KeyboardInterrupt` still catches it); the message says
-    what was saved. `checkpoint_iteration`: where `--resume` continues (None: no checkpoint)."""
+    """Ctrl-C or SIGTERM stopped a run (a KeyboardInterrupt, so `except KeyboardInterrupt` still catches it); the
+    message says what was saved. `checkpoint_iteration`: where `--resume` continues (None: no checkpoint);
+    `signal_number`: the signal (SIGINT for a KeyboardInterrupt raised otherwise)."""
 
-    def __init__(self, message: str, checkpoint_iteration: int | None):
+    def __init__(self, message: str, checkpoint_iteration: int | None, signal_number: int = signal.SIGINT):
+        self.signal_number = int(signal_number)
         super().__init__(message)
         self.checkpoint_iteration = checkpoint_iteration
 
 
 @contextlib.contextmanager
-def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], bool]]:
-    """Within the block, a first Ctrl-C (SIGINT) only sets a flag, returned as a function that the training loop
-    checks between iterations, so that no step or evaluation is cut in half; a second one raises KeyboardInterrupt
-    at once. Not `enabled` (distributed runs, whose processes could stop at different iterations), or outside the
-    main thread (where no signal handler can be set), Ctrl-C raises KeyboardInterrupt as usual."""
-    requested: list[bool] = []
+def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
+    """Within the block, a first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and `timeout` send before a
+    kill) only records the signal, returned by a function that the training loop checks between iterations, so that
+    no step or evaluation is cut in half and the run checkpoints before it stops; a second one raises
+    KeyboardInterrupt at once. Not `enabled` (distributed runs, whose processes could stop at different
+    iterations), or outside the main thread (where no signal handler can be set), the signals act as usual."""
+    requested: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
-        yield lambda: False
+        yield lambda: None
         return
 
     def handler(signum: int, frame: Any) -> None:
         if requested:
             raise KeyboardInterrupt
-        requested.append(True)
-        os.write(2, b"\nfoovb: stopping after this iteration (Ctrl-C again: stop at once, keeping the last "
-                    b"checkpoint)\n")  # os.write: print could re-enter a write to stderr that the signal cut
+        requested.append(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
+                    "checkpoint)\n".encode())  # os.write: print could re-enter a write to stderr that the signal cut
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: bool(requested)
+        yield lambda: requested[0] if requested else None
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        for signum, handler_before in previous.items():
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, handler_before if handler_before is not None else default)
 
 
 def _divergence_advice(learner: Learner) -> str:
@@ -275,9 +274,9 @@ def _divergence_advice(learner: Learner) -> str:
 
 
 def _load_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint written by `_TrainingLoop.save`, loaded with torch.load's weights_only=True (it holds tensors
-    and plain Python values only), the STDs back as numpy arrays."""
-    state = torch.load(path, map_location="cpu", weights_only=True)  # load_state_dict places the tensors
+    """A checkpoint written by `_TrainingLoop.save` (`rundir.load_checkpoint`: weights_only=True, its digest
+    checked), the STDs back as numpy arrays."""
+    state = load_checkpoint(path)  # on the CPU: load_state_dict places the tensors
     state["stds"] = {key: value.numpy() for key, value in state["stds"].items()}
     return state
 
@@ -299,7 +298,7 @@ class _TrainingLoop:
         self.evaluator = _Evaluator(scenario, config.evaluation.test_subset, device)
         self.ends = task_ends(config, scenario)
         self.eval_points = set(scenario.eval_points)
-        self.tic = time.perf_counter()
+        self.tic = self.saved_tic = time.perf_counter()  # saved_tic: when the last checkpoint was written
 
     def save(self, iteration: int) -> None:
         """Checkpoint the learner after `iteration` iterations, with the records and STDs so far (tensors and plain
@@ -307,10 +306,10 @@ class _TrainingLoop:
         self.train_seconds += time.perf_counter() - self.tic
         if self.main_process:
             stds = {key: torch.from_numpy(value) for key, value in self.stds.items()}
-            _atomic_save({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
-                          "train_seconds": self.train_seconds, "stds": stds}, self.checkpoint_path)
+            save_checkpoint({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
+                             "train_seconds": self.train_seconds, "stds": stds}, self.checkpoint_path)
             self.saved_at = iteration
-        self.tic = time.perf_counter()
+        self.tic = self.saved_tic = time.perf_counter()
 
     def train(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
         """Train to the end (returns None) or to `stop_after` iterations (returns it, checkpointed). Raises
@@ -337,16 +336,18 @@ class _TrainingLoop:
             if done in self.eval_points:
                 last_average = _average_so_far(self._evaluate(done))
                 self.save(done)
-            elif done % self.config.checkpoint_every == 0:
+            elif (done % self.config.checkpoint_every == 0
+                  or time.perf_counter() - self.saved_tic >= 60 * self.config.checkpoint_minutes):
                 self.save(done)
             stop = stop_after is not None and done >= stop_after
-            if stop or interrupt_requested():
+            signum = interrupt_requested()
+            if stop or signum is not None:
                 if self.saved_at != done:
                     self.save(done)
                 if stop:
                     return done
                 raise RunInterrupted(f"saved a checkpoint after {done} of {self.scenario.num_iterations} iterations "
-                                     f"in {self.checkpoint_path}", done)
+                                     f"in {self.checkpoint_path}", done, signum)
         return None
 
     def _observe(self, iteration: int, batch) -> float:
@@ -407,9 +408,12 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     Returns the summary (also in summary.json).
     Raises:
         TrainingDiverged: on a NaN/Inf loss or gradients; the message says what to change and what was saved.
-        RunInterrupted: on Ctrl-C. The first Ctrl-C lets the current iteration (and its evaluation) finish and
-            checkpoints it, so that `resume` continues as if uninterrupted; a second one stops at once, keeping
-            the last checkpoint.
+        RunInterrupted: on Ctrl-C or SIGTERM. The first one lets the current iteration (and its evaluation)
+            finish and checkpoints it, so that `resume` continues as if uninterrupted; a second one stops at once,
+            keeping the last checkpoint. Checkpoints are also written every `checkpoint_every` iterations and at
+            most `checkpoint_minutes` apart.
+        RunDirectoryBusy: another live run holds `run_dir` (its lock, `rundir.RunLock`).
+        rundir.CheckpointError: `resume` from a checkpoint that is unreadable, foreign or altered.
     """
     run_dir = Path(run_dir)
     device = resolve_device(config.device)
@@ -420,13 +424,27 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     main_process = not distributed_run or torch.distributed.get_rank() == 0
     if config.threads:
         torch.set_num_threads(config.threads)
-    scenario = build_scenario(config)
+    try:
+        scenario = build_scenario(config)
+    except ConfigError:
+        raise
+    except ValueError as error:  # the data files or the scenario's settings (e.g. a train_subset above the data)
+        raise ConfigError(f"scenario: {error}") from error
     # a bad learner config fails before anything is written, and before the run directory is looked at (its
     # error names the key, not "already holds a finished run")
     learner = build_learner(config, scenario, device)
+    if resume and not (run_dir / "checkpoint.pt").is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {run_dir / 'checkpoint.pt'}")
+    with RunLock(run_dir) if main_process else contextlib.nullcontext():  # one writer per run directory
+        return _run_locked(config, run_dir, scenario, learner, device, distributed_run, main_process, resume=resume,
+                           progress=progress, stop_after=stop_after)
+
+
+def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, device: torch.device,
+                distributed_run: bool, main_process: bool, *, resume: bool, progress: bool,
+                stop_after: int | None) -> RunResult:
+    """`run` once its directory is locked: check what the directory holds, resume or start, train, write outputs."""
     checkpoint_path = run_dir / "checkpoint.pt"
-    if resume and not checkpoint_path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {checkpoint_path}")
     if not resume and (run_dir / "summary.json").exists():
         raise FileExistsError(f"{run_dir} already holds a finished run; choose another directory or --resume")
     if not resume and checkpoint_path.exists():
