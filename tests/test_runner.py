@@ -505,25 +505,32 @@ def test_cli_reports_config_errors(tmp_path, capsys) -> None:
     assert "scenario.batch_size" in capsys.readouterr().err
 
 
-def _write_idx(path, array: np.ndarray) -> None:
+def _write_idx(path, array: np.ndarray) -> str:
+    """An IDX gz file; returns the MD5SUMS.uncompressed line of its content."""
     import gzip
+    import hashlib
 
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    path.write_bytes(gzip.compress(header + array.astype(np.uint8).tobytes()))
+    content = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(content))
+    return f"{hashlib.md5(content).hexdigest()}  {path.name.removesuffix('.gz')}"
 
 
 def _write_learnable_idx_dataset(directory, seed: int, train: int = 96, test: int = 40) -> None:
-    """MNIST-layout files whose class c is a bright 6x6 square at a class-specific place, plus noise."""
+    """MNIST-layout files whose class c is a bright 6x6 square at a class-specific place, plus noise, and the
+    MD5SUMS.uncompressed that declares them (a stand-in dataset: the real one's digests would refuse them)."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
+    sums = []
     for prefix, count in (("train", train), ("t10k", test)):
         labels = rng.integers(0, 10, count)
         images = rng.integers(0, 60, (count, 28, 28))
         for i, c in enumerate(labels):
             row, col = divmod(int(c), 5)
             images[i, 4 + 12 * row : 10 + 12 * row, 2 + 5 * col : 8 + 5 * col] = 255
-        _write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", images)
-        _write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels)
+        sums.append(_write_idx(directory / f"{prefix}-images-idx3-ubyte.gz", images))
+        sums.append(_write_idx(directory / f"{prefix}-labels-idx1-ubyte.gz", labels))
+    (directory / "MD5SUMS.uncompressed").write_text("\n".join(sums) + "\n")
 
 
 def test_vision_mix_task_aware_lenet_end_to_end(tmp_path, monkeypatch) -> None:

@@ -2,13 +2,14 @@
 directory (:mod:`foovb_suite.data.datasets`)."""
 
 from foovb_suite.data.datasets import DATASET_NAMES, ImageDataset, download_dataset, load_dataset
-from foovb_suite.data.mnist import MNIST, MNIST_MEAN, MNIST_STD, load_mnist
+from foovb_suite.data.mnist import MNIST, MNIST_MEAN, MNIST_STD, DataFileError, load_mnist
 
 __all__ = [
     "DATASET_NAMES",
     "MNIST",
     "MNIST_MEAN",
     "MNIST_STD",
+    "DataFileError",
     "ImageDataset",
     "download_dataset",
     "load_dataset",

@@ -40,9 +40,55 @@ MNIST_FILES = {
 """Uncompressed IDX file names, keyed by the :class:`MNIST` field they fill (stored as ``NAME.gz``)."""
 MD5SUMS_FILE = "MD5SUMS.uncompressed"
 
+KNOWN_IDX_MD5: dict[str, dict[str, str]] = {
+    # The canonical MNIST sums: the same values as the embedded files/MD5SUMS.uncompressed (a test checks this).
+    "MNIST": {
+        "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+        "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+        "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+        "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+    },
+    # Computed with `gunzip -c NAME.gz | md5sum` from Debian's dataset-fashion-mnist files (the project's
+    # shared/data/fashion-mnist; equal to the MD5SUMS.uncompressed there). Debian re-compressed the files, so
+    # their .gz bytes differ from Zalando's download (whose .gz MD5s are in datasets.py), not their content.
+    "Fashion-MNIST": {
+        "train-images-idx3-ubyte": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+        "train-labels-idx1-ubyte": "9018921c3c673c538a1fc5bad174d6f9",
+        "t10k-images-idx3-ubyte": "8181f5470baa50b63fa0f6fddb340f0a",
+        "t10k-labels-idx1-ubyte": "15d484375f8d13e6eb1aabb0c3f46965",
+    },
+}
+"""MD5 of each file's uncompressed IDX content, per dataset, where the originals are available to check against
+(notMNIST-to-MNIST publishes none). Used to name the dataset a misplaced file belongs to."""
+
 _IDX_UINT8 = 0x08
 _IDX_IMAGES_NDIM = 3
 _IDX_LABELS_NDIM = 1
+
+
+class DataFileError(ValueError):
+    """A data file that is there but cannot be used: corrupt or truncated, not in the expected format, or another
+    dataset's file. The message names the file, says what is wrong and what to do (``remedy``)."""
+
+    def __init__(self, path: object, problem: str, remedy: str = "delete it and fetch it again") -> None:
+        super().__init__(f"{problem}; {remedy}")
+        self.path = path
+        """The file (or, where a whole folder holds the wrong files, the folder)."""
+        self.problem = problem
+        """What is wrong, naming the file."""
+        self.remedy = remedy
+
+    def __reduce__(self) -> tuple[type[DataFileError], tuple[object, str, str]]:
+        return type(self), (self.path, self.problem, self.remedy)
+
+
+def identify_idx_content(md5: str) -> tuple[str, str] | None:
+    """``(dataset, file name)`` of the known IDX file (:data:`KNOWN_IDX_MD5`) whose content has this MD5."""
+    for dataset, sums in KNOWN_IDX_MD5.items():
+        for name, known in sums.items():
+            if known == md5:
+                return dataset, name
+    return None
 
 
 @dataclass(frozen=True)
@@ -68,37 +114,46 @@ def parse_idx(data: bytes, expected_ndim: int, source: str) -> np.ndarray:
     The header is a big-endian magic number ``0x0000 TT NN`` (``TT`` = 0x08 for unsigned bytes, ``NN`` the
     number of dimensions) followed by ``NN`` big-endian uint32 sizes, then the data in C order.
     ``source`` names the file in error messages. Returns a writable uint8 array of the stored shape.
+    Checks the magic number (uint8 data of ``expected_ndim`` dimensions) and that the size matches the header;
+    raises :class:`DataFileError` (a ``ValueError``) naming ``source`` otherwise.
     """
     if len(data) < 4:
-        raise ValueError(f"{source}: too short to be an IDX file ({len(data)} bytes)")
+        raise DataFileError(source, f"{source}: too short to be an IDX file ({len(data)} bytes)")
     if data[0] != 0 or data[1] != 0 or data[2] != _IDX_UINT8 or data[3] != expected_ndim:
         magic = int.from_bytes(data[:4], "big")
         expected = (_IDX_UINT8 << 8) | expected_ndim
-        raise ValueError(f"{source}: bad IDX magic number 0x{magic:08x}, expected 0x{expected:08x}")
+        raise DataFileError(source, f"{source}: bad IDX magic number 0x{magic:08x}, expected 0x{expected:08x}")
     header_size = 4 + 4 * expected_ndim
     if len(data) < header_size:
-        raise ValueError(f"{source}: truncated IDX header")
+        raise DataFileError(source, f"{source}: truncated IDX header")
     shape = tuple(int.from_bytes(data[4 + 4 * k : 8 + 4 * k], "big") for k in range(expected_ndim))
     expected_size = header_size + int(np.prod(shape))
     if len(data) != expected_size:
-        raise ValueError(
+        raise DataFileError(
+            source,
             f"{source}: IDX header announces shape {shape} ({expected_size} bytes) but the file has "
-            f"{len(data)} bytes"
+            f"{len(data)} bytes",
         )
     return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape).copy()
 
 
 def read_file_bytes(file: Traversable, compressed: bool) -> bytes:
-    """Read ``file``, gunzipping it when ``compressed``; errors (missing, corrupt) name the file."""
+    """Read ``file``, gunzipping it when ``compressed``.
+
+    Raises ``FileNotFoundError`` for a missing file and :class:`DataFileError` (a ``ValueError``) for data that
+    is not gzip, a truncated or corrupt gzip stream (never a raw ``EOFError`` / ``zlib.error``), naming the file.
+    """
     if not file.is_file():
         raise FileNotFoundError(f"missing data file: {file}")
     raw = file.read_bytes()
     if not compressed:
         return raw
+    if raw[:2] != b"\x1f\x8b":
+        raise DataFileError(file, f"corrupt gzip file {file} (it does not start with the gzip magic bytes 1f 8b)")
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as error:
-        raise ValueError(f"corrupt gzip file {file} (delete it and fetch it again): {error}") from error
+        raise DataFileError(file, f"corrupt gzip file {file} ({type(error).__name__}: {error})") from error
 
 
 def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
@@ -110,13 +165,18 @@ def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
 def _read_md5sums(root: Traversable) -> dict[str, str]:
     """Parse ``MD5SUMS.uncompressed`` (``md5sum`` output format: ``<hex digest>  <file name>`` per line)."""
     md5sums_file = root / MD5SUMS_FILE
+    remedy = "fix it (`md5sum` output of the gunzipped files) or delete it"
+    try:
+        text = read_file_bytes(md5sums_file, compressed=False).decode("ascii")
+    except UnicodeDecodeError as error:
+        raise DataFileError(md5sums_file, f"{md5sums_file} is not an md5sum text file ({error})", remedy) from error
     md5sums = {}
-    for line in read_file_bytes(md5sums_file, compressed=False).decode("ascii").splitlines():
+    for line in text.splitlines():
         fields = line.split()
         if not fields:
             continue
         if len(fields) != 2:
-            raise ValueError(f"{md5sums_file}: malformed line {line!r}")
+            raise DataFileError(md5sums_file, f"{md5sums_file}: malformed line {line!r}", remedy)
         digest, name = fields
         md5sums[name.lstrip("*")] = digest.lower()
     return md5sums
@@ -127,13 +187,18 @@ def _read_verified_idx(
 ) -> np.ndarray:
     file = root / f"{name}.gz"
     if expected_md5 is None:
-        raise ValueError(f"{root / MD5SUMS_FILE} has no checksum for {name}")
+        raise DataFileError(
+            root / MD5SUMS_FILE, f"{root / MD5SUMS_FILE} has no checksum for {name}", "add its line or delete the file"
+        )
     data = read_file_bytes(file, compressed=True)
     actual_md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+    known = identify_idx_content(actual_md5)
+    if known is not None and known[0] != "MNIST":  # even where the folder's own MD5SUMS lists it
+        raise DataFileError(file, f"{file} holds {known[0]}'s {known[1]}, so these are not MNIST's files")
     if actual_md5 != expected_md5:
-        raise ValueError(
-            f"MD5 mismatch for {file} (after gunzip): expected {expected_md5}, got {actual_md5}; "
-            "the file is corrupt or not the original MNIST file"
+        what = f"it is {known[0]}'s {known[1]}" if known else "the file is corrupt or not the original MNIST file"
+        raise DataFileError(
+            file, f"MD5 mismatch for {file} (after gunzip): expected {expected_md5}, got {actual_md5}; {what}"
         )
     return parse_idx(data, expected_ndim, str(file))
 
@@ -174,7 +239,8 @@ def load_mnist(root: str | Path | None = None) -> MNIST:
     ``root`` must hold the four ``*-ubyte.gz`` files; they are checked against its ``MD5SUMS.uncompressed``
     when it has one (``md5sum`` format, sums after gunzip), else against the original files' sums shipped with
     the package. The result is cached per
-    root (loading takes about a second). Raises ``FileNotFoundError`` for a missing file and ``ValueError``
-    for a corrupt one (bad gzip stream, MD5 mismatch, bad IDX header), naming the file.
+    root (loading takes about a second). Raises ``FileNotFoundError`` for a missing file and
+    :class:`DataFileError` (a ``ValueError``) for a corrupt one (bad gzip stream, MD5 mismatch, bad IDX header),
+    naming the file (and the dataset it belongs to, where its content is a known one of another dataset).
     """
     return _load_mnist_cached(None if root is None else str(Path(root).resolve()))
