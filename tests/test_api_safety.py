@@ -328,7 +328,7 @@ def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_s
 def test_step_batched_evaluates_wide_layers_one_sample_at_a_time(monkeypatch):
     """A diagonal layer of WIDE_LAYER weights or more: step_batched takes step(closure)'s route (measured faster),
     with step(closure)'s update; the paper's MLP (78,400 weights in its widest layer) stays stacked."""
-    import foovb.optimizer as optimizer_module
+    import foovb.engine as optimizer_module  # where the stacked evaluation (SampledNetwork) is used
 
     def wide(seed):
         torch.manual_seed(seed)

@@ -1,12 +1,13 @@
 """The closure path's low-rank matrix-variate statistics (issue 30): step(closure) captures each Kronecker
 nn.Linear layer's input X and output errors Delta and accumulates sum_k Psi_k^T B Phi_k = X_aug^T sum_k Delta_k
 B Phi_k as step_batched does, instead of from the dense gradient. These tests compare every statistic, and the
-updated posterior, with the dense computation (`_accumulate_captured` switched off), on MLPs (the first layer's
+updated posterior, with the dense computation (`Step._accumulate_captured` switched off), on MLPs (the first layer's
 input is shared by the samples, the later layers' are per sample), and check the fallback to the dense gradient
 wherever the gradient is not exactly Delta^T X_aug (a layer called twice, a weight used outside F.linear,
 clipped gradients, autograd.grad, an unused layer)."""
 
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foovb import FOOVB
+from foovb.engine import Step
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -58,7 +60,7 @@ def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=
             original = block.load_sample
             block.load_sample = lambda noise, original=original, name=name: (loads.update([name]), original(noise))
     recorded, factored = {}, set()
-    apply_update, accumulate = opt._apply_update, opt._accumulate_captured
+    apply_update, accumulate = opt._apply_update, Step._accumulate_captured
 
     def record(stats, losses, num_samples):
         recorded.update({opt.blocks.index(b): s for b, s in stats.items()})
@@ -72,8 +74,9 @@ def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=
             factored.add(opt.blocks.index(block))
         return used
 
-    opt._apply_update, opt._accumulate_captured = record, captured
-    opt.step(closure_of(model, *batch(dtype)))
+    opt._apply_update = record
+    with mock.patch.object(Step, "_accumulate_captured", staticmethod(captured)):  # the engine's low-rank route
+        opt.step(closure_of(model, *batch(dtype)))
     names = {i: n for i, b in enumerate(opt.blocks) for n, m in model.named_modules() if m is b.module}
     state = {names[i]: {key: v.clone() for key, v in b.state.items()} for i, b in enumerate(opt.blocks)}
     return {names[i]: s for i, s in recorded.items()}, state, {names[i] for i in factored}

@@ -26,8 +26,8 @@ from conftest import (
 from torch import nn
 
 from foovb import FOOVB, solve_fixed_point
+from foovb.engine import mix as _mix
 from foovb.linalg import LowRank, root_scale, sqrt_covariance_update
-from foovb.optimizer import _mix
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor, nn
+
+from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock
 
 XAVIER = "xavier"
 PAPER_STD_INIT = 0.047  # the paper's sigma_init (appendix, "Discrete permuted MNIST")
@@ -44,3 +47,90 @@ def xavier_std(param: Tensor, module: nn.Module | None = None) -> float:
 def initial_std(std_init: float | str, param: Tensor, module: nn.Module | None = None) -> float:
     """The initial posterior std of `param`: std_init itself, or its `xavier_std` for std_init="xavier"."""
     return xavier_std(param, module) if std_init == XAVIER else float(std_init)
+
+
+@torch.no_grad()
+def paper_init(model: nn.Module, generator: torch.Generator, random_bias: bool) -> None:
+    """The appendix's initialisation of the means: Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0
+    (`random_bias`: the BGD code's N(0, 2 / (1 + fan_out))). Frozen parameters are left alone."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
+            std = xavier_std(module.weight)  # the appendix's variance 2 / (n_in + n_out)
+            if module.weight.requires_grad:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+            if module.bias is not None and module.bias.requires_grad:
+                if random_bias:
+                    bias_std = math.sqrt(2.0 / (1 + fans(module.weight)[1]))
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * bias_std)
+                else:
+                    module.bias.zero_()
+
+@torch.no_grad()
+def alpha_init(model: nn.Module, generator: torch.Generator, alpha: float) -> dict[int, float]:
+    """The matrix-variate split of Var(W_ij) = 2 / (n_in + 2) (Implementation details) for any family:
+    draws the means, returns each layer's prior std."""
+    layer_std = {}
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.requires_grad:
+            fan_in = module.weight[0].numel()
+            mean_std = math.sqrt(2 * alpha / (fan_in + 2))
+            for param in (module.weight, module.bias):
+                if param is not None and param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * mean_std)
+            layer_std[id(module)] = math.sqrt(2 * (1 - alpha) / (fan_in + 2))
+    return layer_std
+
+def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
+                layer_std: dict[int, float]) -> list[PosteriorBlock]:
+    """One posterior block per trainable tensor (diagonal), per nn.Linear / nn.Conv2d (kronecker; other
+    tensors diagonal) or per module (full), its state in the optimizer's per-parameter `state`; the means are
+    the parameters' current values (the matrix-variate blocks draw theirs when init is not "keep")."""
+    std_init, alpha, init = settings["std_init"], settings["alpha"], settings["init"]
+    max_full_params = settings["max_full_params"]
+    blocks: list[PosteriorBlock] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not direct:
+            continue
+        if any(id(p) in seen for p in direct):
+            raise ValueError(f"module {name!r} shares a parameter with another module (weight tying is "
+                             "not supported: each parameter needs one posterior)")
+        seen.update(id(p) for p in direct)
+        module_std = layer_std.get(id(module))  # init="alpha": one prior std per layer
+        if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
+                and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
+                and all(p is module.weight or p is module.bias for p in direct)
+                and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
+            if module.bias is not None and not module.bias.requires_grad:
+                raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
+            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init))
+        elif posterior == "full":
+            size = sum(p.numel() for p in direct)
+            if size > max_full_params:
+                need = 3 * size * size * direct[0].element_size()
+                raise ValueError(
+                    f"module {name!r} has {size} parameters: a full covariance needs a {size} x {size} "
+                    f"square root (~{need / 2**30:.2f} GiB with the update's workspace), above "
+                    f"max_full_params={max_full_params}; use posterior='kronecker' or 'diagonal', or "
+                    "raise max_full_params"
+                )
+            blocks.append(FullBlock(direct, state[direct[0]],
+                                    module_std or initial_std(std_init, direct[0], module), module))
+        else:
+            blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
+                                        settings["std_growth"], settings["cov_momentum"]) for p in direct)
+    return blocks
+
+
+def prior_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str,
+                 settings: dict) -> list[PosteriorBlock]:
+    """The posterior blocks of a new FOOVB, holding the prior of the first step: the means initialised as
+    settings["init"] says (the matrix-variate blocks draw their own), then `make_blocks`."""
+    layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
+    if posterior != "kronecker":
+        if settings["init"] == "alpha":
+            layer_std = alpha_init(model, generator, settings["alpha"])
+        elif settings["init"] != "keep":
+            paper_init(model, generator, random_bias=settings["init"] == "bgd")
+    return make_blocks(model, state, generator, posterior, settings, layer_std)

@@ -1,0 +1,406 @@
+"""One FOO-VB step in pieces (Algorithm 1): the Monte Carlo noise eps_k, the evaluation of the K sampled networks
+theta_k = mu + A eps_k (one at a time through a closure or an own loop, or stacked in one batched pass), the sums
+that estimate E[g] and E[g eps^T], and the checked UPDATE of every block. `FOOVB` holds the posterior and the
+settings and calls these in that order."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .capture import LinearCapture, UnseenUse
+from .linalg import LowRank
+from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
+from .reduction import LossSpy, loss_reduction_of, loss_scale
+from .sampled import SampledNetwork, augmented_input, check_batched_support
+
+if TYPE_CHECKING:
+    from .optimizer import FOOVB
+
+__all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
+           "check_batched_step", "check_gradients", "closure_of", "draw_noise", "evaluate_sequential", "mix",
+           "refuse_accumulated_gradients", "scale_statistics", "stacking_is_slower", "trainable_blocks"]
+
+# A sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples slower than
+# one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10 1.37x)
+WIDE_LAYER = 2**17
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix(*values: int) -> int:
+    """splitmix64 of a tuple: the seed of one (step, block, sample) noise stream."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h & ((1 << 63) - 1)
+
+
+def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antithetic: bool = False,
+               only: list[PosteriorBlock] | None = None) -> dict[PosteriorBlock, Tensor]:
+    """eps for the given sample indices, (len(samples), *noise_shape) per block (of `only`; None: all).
+
+    The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
+    any chunking and any split of the samples across processes see the same draws. With `antithetic`,
+    sample 2j + 1 is the negative of sample 2j. (Drawing blocks in a thread pool made the training loop
+    slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
+    """
+    noises = {}
+    generator = torch.Generator()
+    for index, block in enumerate(blocks):
+        if only is not None and block not in only:
+            continue
+        ref = block.state["mean"]
+        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
+        for row, k in enumerate(samples):
+            if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
+                torch.neg(out[row - 1], out=out[row])
+                continue
+            generator.manual_seed(mix(seed, index, k // 2 if antithetic else k))
+            torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
+            if antithetic and k % 2:
+                out[row].neg_()
+        noises[block] = out.to(ref.device)
+    return noises
+
+
+def check_gradients(blocks: list[PosteriorBlock]) -> None:
+    """After a closure: some parameter received a dense gradient (else the step would silently do nothing)."""
+    grads = [p.grad for block in blocks for p in block.params if p.grad is not None]
+    if not grads:
+        raise RuntimeError("no parameter received a gradient: the closure must call loss.backward() "
+                           "(and the loss must depend on the parameters)")
+    if any(g.is_sparse for g in grads):
+        raise ValueError("sparse gradients are not supported (e.g. nn.Embedding(sparse=True)); use dense ones")
+
+def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
+    """A step evaluates the batch's gradients at its own sampled networks: gradients already present (a
+    backward() outside the step, e.g. gradient accumulation) would be lost, so they are an error."""
+    grads = [p.grad for block in blocks for p in block.params if p.grad is not None]
+    if grads and any(bool(g.any()) for g in grads):
+        raise RuntimeError(
+            "gradients were already computed when step() was called (gradient accumulation, e.g. Lightning's "
+            "accumulate_grad_batches > 1, or a backward() outside the closure): FOO-VB evaluates each "
+            "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
+            "used. Use one batch per step (a larger batch instead of accumulation), and call "
+            "optimizer.zero_grad() before the first step if the model still holds gradients")
+
+
+def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
+    """The blocks whose parameters require gradients now. A block frozen after construction
+    (requires_grad_(False)) is left out of the step: its weights stay at its posterior mean, unsampled,
+    and its posterior is unchanged until it is unfrozen."""
+    trainable_now = []
+    for block in blocks:
+        trainable = {p.requires_grad for p in block.params}
+        if len(trainable) > 1:
+            raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its "
+                             "weight and bias together: freeze or unfreeze both (one of them was changed with "
+                             "requires_grad_ after the optimizer was built)")
+        if trainable == {True}:
+            trainable_now.append(block)
+    if not trainable_now:
+        raise ValueError("every parameter is frozen (requires_grad=False): a step has nothing to train")
+    return trainable_now
+
+
+class StatisticsReducer(Protocol):
+    """Combines the Monte Carlo statistics of the processes that train one posterior together
+    (`foovb.distributed.distribute` sets one on the optimizer)."""
+
+    samples: range  # the sample indices this process evaluates
+
+    def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
+               losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        """The statistics, sample count and per-sample losses summed over all processes."""
+        ...
+
+
+@dataclass
+class Sample:
+    """What a `sampled_params` block sees: its sample index, and where `step(closure)` puts the loss."""
+
+    index: int
+    loss: float | None = None
+
+
+class RunningStatistics:
+    """Batch-norm running statistics updated once per step: each sampled network's forward starts from the
+    statistics before the step, and the step leaves their average over the samples (the update the
+    averaged batch statistics give; K updates per step would forget K times faster)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [m for m in model.modules()
+                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None]
+        self.before = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+                       for m in self.modules]
+        self.sums = [(torch.zeros_like(mean), torch.zeros_like(var)) for mean, var, _ in self.before]
+        self.count = 0
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for module, (mean, var, tracked) in zip(self.modules, self.before, strict=True):
+            module.running_mean.copy_(mean)
+            module.running_var.copy_(var)
+            module.num_batches_tracked.copy_(tracked)
+
+    @torch.no_grad()
+    def record(self) -> None:
+        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+            mean_sum.add_(module.running_mean)
+            var_sum.add_(module.running_var)
+        self.count += 1
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Leave the average of the recorded statistics (num_batches_tracked as one sample left it)."""
+        if not self.count:
+            return
+        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+            module.running_mean.copy_(mean_sum / self.count)
+            module.running_var.copy_(var_sum / self.count)
+
+
+@dataclass
+class Step:
+    """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses."""
+
+    seed: int
+    blocks: list[PosteriorBlock]  # those trained by this step (not frozen since construction)
+    stats: dict
+    running: RunningStatistics
+    batch_size: int | None
+    grad_scale: float | None = None  # sequential samples: their loss's scale, applied to the sums at the update
+    losses: list[float] = field(default_factory=list)
+    count: int = 0
+    noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
+    noise_of: int = -1  # its sample index
+    factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
+
+    @contextlib.contextmanager
+    def sample(self, opt: FOOVB, reports_loss: bool, restore_mean: bool = True,
+               defer: bool = False) -> Iterator[Sample]:
+        """One Monte Carlo sample of the current step: load it, let the block run forward and backward, then
+        accumulate its statistics (Algorithm 1's loop body). `reports_loss`: the caller sets `sample.loss`;
+        else it is read from the loss that backward() is called on. `restore_mean=False`: leave the sample in
+        the model after a successful block (the caller loads the next sample or updates); a failed one always
+        restores the mean. `defer`: the matrix-variate nn.Linear samples are formed only where needed
+        (`LinearCapture`); an unseen use raises `UnseenUse` and leaves the step's sample to be redone."""
+        params = [p for block in opt.blocks for p in block.params]
+        if self.count == len(opt.sample_shard):
+            raise RuntimeError(f"all {self.count} Monte Carlo samples of this step were evaluated: call step()")
+        k = opt.sample_shard[self.count]
+        if opt.antithetic and k % 2 and self.noise_of == k - 1:  # the pair's second half: -eps, not redrawn
+            noises = {block: noise.neg() for block, noise in self.noises.items()}
+        else:
+            noises = opt.draw_noise(self.seed, range(k, k + 1), antithetic=opt.antithetic, blocks=self.blocks)
+        self.noises, self.noise_of = noises, k
+        sample = Sample(k)
+        linear_kronecker = [block for block in opt._linear_kronecker if block in noises]
+        deferred = {block: noises[block] for block in linear_kronecker} if defer else {}
+        opt.load_sample({block: noise for block, noise in noises.items() if block not in deferred}, 0)
+        for p in params:
+            p.grad = None
+        self.running.restore()
+        spy = LossSpy(opt.model) if self.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        capture = LinearCapture(linear_kronecker, deferred, self.factored_inputs) if linear_kronecker else None
+        try:
+            with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
+                yield sample
+            if deferred:
+                capture.check_seen(sample.loss, params)
+            check_gradients(opt.blocks)
+            if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
+                self.grad_scale = spy.scale(opt.loss_reduction, self.batch_size)
+            self.running.record()
+            self.losses.append(sample.loss if reports_loss else spy.loss)
+            with full_precision():
+                for block in self.blocks:
+                    if capture is not None and self._accumulate_captured(capture, block, self, noises[block]):
+                        continue
+                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
+                    block.accumulate(self.stats[block], noises[block], grads)
+            self.count += 1
+        except UnseenUse:  # the sample is redone (the step goes on)
+            self.running.restore()
+            restore_mean = True
+            raise
+        except BaseException:
+            opt._pending = None  # a failed sample abandons the step: the posterior is unchanged
+            self.running.restore()
+            restore_mean = True
+            raise
+        finally:
+            if capture is not None:
+                capture.close()
+            for p in params:
+                p.grad = None
+            if restore_mean:
+                opt.load_mean_into_model()
+
+    @staticmethod
+    def _accumulate_captured(capture: LinearCapture, block: PosteriorBlock, pending: Step,
+                             noise: Tensor) -> bool:
+        """Accumulate a matrix-variate nn.Linear block's statistics in low-rank form from its captured input X and
+        errors Delta (as `step_batched` does, `KroneckerBlock.accumulate_factored`), where the gradient is
+        exactly Delta^T X_aug and X has fewer rows than X_aug has columns (else the dense gradient is as cheap).
+        An input equal to the previous sample's (the batch itself, for the first layer) reuses its X_aug and
+        X_aug A, so sum_k Psi_k^T B Phi_k = X_aug^T (sum_k Delta_k B Phi_k) keeps rank r. False: use .grad."""
+        if not capture.exact(block):
+            return False
+        x, delta = capture.inputs(block)
+        if x.shape[0] >= block.in_features + int(block.has_bias):
+            return False
+        inputs, products = pending.factored_inputs.setdefault(block, ({}, {}))
+        x_aug = augmented_input(block, x, inputs, keep_one=True)
+        if products.get("x_aug") is not x_aug:
+            products.clear()
+            products.update(x_aug=x_aug, x_a=block.input_times_a(x))
+        noise_pre = capture.noise_pre(block)  # X_aug A Phi^T, from a factored forward (the same X_aug) or here
+        if noise_pre is None:
+            noise_pre = products["x_a"] @ noise[0].T
+        psi = block.join([p.grad[None] for p in block.params])[0]  # Delta^T X_aug, already computed by backward
+        block.accumulate_factored(pending.stats[block], noise, delta[None], x_aug, noise_pre[None], psi)
+        return True
+
+    def evaluate_stacked(self, opt: FOOVB, inputs: Tensor, targets: Tensor,
+                         loss_fn: Callable[[Tensor, Tensor], Tensor], chunk: int) -> None:
+        """Evaluate the step's samples `chunk` at a time in one forward/backward each (`SampledNetwork`) and
+        accumulate their statistics; a failure abandons the step."""
+        modules: dict[nn.Module, list[PosteriorBlock]] = {}
+        for block in self.blocks:
+            modules.setdefault(block.module, []).append(block)
+        rows, shard, shared_inputs = inputs.shape[0], opt.sample_shard, {}
+        try:
+            for start in range(0, len(shard), chunk):
+                samples = shard[start : start + chunk]
+                c = len(samples)
+                noises = opt.draw_noise(self.seed, samples, antithetic=opt.antithetic, blocks=self.blocks)
+                with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
+                    with torch.enable_grad():
+                        outputs = opt.model(inputs)
+                        loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
+                        # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
+                        reduction = loss_reduction_of(loss)
+                        grad_scale = loss_scale(reduction, opt.loss_reduction, None, frozenset({c * rows}))
+                        loss.backward()
+                    with full_precision():
+                        network.accumulate(self.stats, grad_scale, shared_inputs)
+                value = float(loss.detach())
+                self.losses.extend([value if reduction.kind == "mean" else value / c] * c)
+                self.count += c
+        except BaseException:
+            opt._pending = None
+            raise
+
+
+def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
+    """Multiply every block's Monte Carlo sums by `factor` (in place where they are tensors)."""
+    for block_stats in stats.values():
+        for key, value in block_stats.items():
+            block_stats[key] = value.scaled(factor) if isinstance(value, LowRank) else value.mul_(factor)
+
+
+@torch.no_grad()
+def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int, mean_step: float,
+                 cov_step: float, reducer: StatisticsReducer | None, step_number: int, std_growth: str) -> float:
+    """UPDATE (Algorithm 1): all-reduce the statistics under torch.distributed (`reducer`), check them, then
+    one fixed-point iteration of every block of `stats` (those the step trains). Non-finite statistics or an
+    update that overflows raise FloatingPointError and leave every block as it was.
+
+    Returns the mean loss over all samples (of all processes)."""
+    blocks = list(stats)
+    if reducer is not None:
+        stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses)
+
+    def pieces(block: PosteriorBlock) -> list[Tensor]:
+        return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
+
+    # NaN/Inf propagate through norms: one synchronisation for all blocks, then find the culprits
+    norms = torch._foreach_norm([t for block in blocks for t in pieces(block)])
+    bad = [] if torch.stack(norms).sum().isfinite() else [
+        b for b in blocks if not all(torch.isfinite(t).all() for t in pieces(b))]
+    if bad or not all(math.isfinite(v) for v in losses):
+        where = "the loss" if not bad else f"the gradients of {len(bad)} parameter block(s)"
+        raise FloatingPointError(
+            f"non-finite values in {where} at step {step_number}; the posterior was left unchanged")
+    before = {block: {key: value.clone() for key, value in block.state.items()} for block in blocks}
+    with full_precision():
+        for block in blocks:
+            block.update(stats[block], num_samples, mean_step, cov_step)
+    # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
+    new_state = [value for block in blocks for value in block.state.values()]
+    if not torch.stack(torch._foreach_norm(new_state)).sum().isfinite():
+        for block in blocks:
+            block.state.clear()  # entries that the failed update created (cov_momentum's average) go too
+            block.state.update(before[block])
+        raise FloatingPointError(
+            f"the update at step {step_number} overflowed to non-finite posterior values (with "
+            f"std_growth={std_growth!r}, a sigma that grew too large?); the posterior was left unchanged")
+    return sum(losses) / len(losses)
+
+
+def evaluate_sequential(opt: FOOVB, closure: Callable[[], Tensor], batch_size: int | None) -> None:
+    """step(closure): the K samples of a new step one network at a time, each through the closure (a sample
+    whose deferred matrix-variate weights the closure read unseen is redone with them loaded, and deferral
+    is off from then on). The last sample stays in the model: the update loads the new mean."""
+    for _ in opt.sample_shard:  # the next sample overwrites the weights: the mean is loaded by the update
+        for defer in (opt._defer_linear_samples, False):
+            try:
+                with opt._training_sample(batch_size, reports_loss=True, restore_mean=False,
+                                           defer=defer) as sample:
+                    loss = closure()
+                    if not isinstance(loss, Tensor):
+                        raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                    sample.loss = float(loss.detach())
+                break
+            except UnseenUse:  # the closure read a deferred weight unseen: redo the sample with all loaded
+                if not defer:
+                    raise
+                opt._defer_linear_samples = False
+
+
+def check_batched_step(opt: FOOVB, inputs: Tensor, targets: Tensor,
+                       loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
+                       chunk_size: int | None) -> tuple[Callable[[Tensor, Tensor], Tensor], int]:
+    """step_batched's arguments checked; its loss function (default: cross-entropy reduced as the optimizer's
+    loss_reduction asks) and the samples per pass."""
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
+    check_batched_support(opt.blocks, opt.model)
+    if loss_fn is None:
+        reduction = "mean" if opt.loss_reduction == "mean" else "sum"
+        loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=reduction)  # noqa: E731
+    rows = inputs.shape[0]
+    if targets.shape[0] != rows:
+        raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
+    if rows == 0:
+        raise ValueError("empty batch: step_batched needs at least one row")
+    shard = len(opt.sample_shard)
+    return loss_fn, shard if chunk_size is None else min(chunk_size, shard)
+
+
+def stacking_is_slower(blocks: list[PosteriorBlock]) -> bool:
+    """A layer whose samples are built whole (not a matrix-variate nn.Linear) with WIDE_LAYER elements or more."""
+    return any(not (isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear))
+               and sum(p.numel() for p in block.params) >= WIDE_LAYER for block in blocks)
+
+
+def closure_of(model: nn.Module, inputs: Tensor, targets: Tensor,
+               loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], Tensor]:
+    """The closure of one batch: forward, loss, backward; returns the loss."""
+    def closure() -> Tensor:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    return closure

@@ -1,0 +1,201 @@
+"""The hyperparameters of FOOVB: the presets ("recommended", "paper") per posterior family, which settings a family
+reads, which are fixed at construction, and their validation (a ValueError naming the argument).
+
+The arguments of FOOVB:
+    model: the network. Its parameters are the prior mean (init="keep") or are re-initialised
+        (init="paper"); after every step they hold the posterior mean.
+    posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
+        Algorithm 3, per nn.Linear / nn.Conv2d whose parameters are its weight and bias; other parameters,
+        e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
+        (multivariate, Algorithm 2, one full covariance per module; small layers only).
+    mc_samples: K, Monte Carlo samples per step (the paper uses 10; K <= 2 is unstable).
+    preset: where the hyperparameters left None come from: "recommended" (the best settings measured in
+        this project, per family: `PRESETS`) or "paper" (the paper's settings, its initialisation included).
+    std_init: initial posterior std (the first mini-batch's prior) of the diagonal and full families, and of
+        the matrix family's fallback tensors: one number for every parameter (the paper: 0.047 discrete,
+        0.06 continuous permuted MNIST), or "xavier" (the recommended preset's): each layer's
+        sqrt(2 / (fan_in + fan_out)), 0.047 on a 784 -> 100 layer, 0.135 on a 100 -> 10 head
+        (`foovb.priors.xavier_std`; it depends on the shapes only, so pretrained weights get the same prior).
+    alpha: matrix-variate initialisation split (Implementation details): the mean carries a fraction
+        alpha of the initial weight variance 2 / (n_in + 2), the covariance factors the rest (posterior
+        "kronecker", or init="alpha").
+    mean_step: eta of the mean update mu <- mu - eta Sigma E[g] (the paper: 1). Held in
+        param_groups[0]["lr"], so that torch LR schedulers scale it; 0 is allowed (a warm-up from 0: the
+        mean stays while the covariance update of Lemmas 1-2 still runs).
+    cov_step: beta, the multiplier of E[g eps^T] in the covariance update (Lemmas 1-2; diagonal:
+        sigma <- sigma sqrt(1 + (beta sigma E[g eps] / 2)^2) - beta sigma^2 E[g eps] / 2): the fixed point
+        of the covariance for the likelihood raised to the power beta (the paper: 1). With E passes over
+        the same data, beta = 1/E counts each example once.
+    antithetic: draw the Monte Carlo samples in antithetic pairs (eps, -eps) (needs an even mc_samples).
+        The estimates stay unbiased and the noise linear in eps cancels within each pair: on a quadratic
+        loss E[g] is exact (an extension; the paper draws the samples independently).
+    std_growth: diagonal family: how sigma may grow. "paper": the closed form of Eq. "diagonal implicit
+        solution", which raises sigma where E[g eps] < 0; "capped": the same, never above std_init;
+        "none": Lemma 2's root, sigma <- sigma h(|sigma E[g eps]|), h(s) = sqrt(1 + s^2/4) - s/2, so
+        sigma never grows (the matrix families' solution). "capped" and "none" are extensions.
+    cov_momentum: diagonal family: rho in [0, 1) of an exponential moving average over steps of the
+        E[g eps] estimates used by the sigma update (0: the paper; an extension).
+    init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
+        "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
+        split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
+        "alpha" (the matrix-variate split for the diagonal and full families: means
+        N(0, 2 alpha / (n_in + 2)), prior std sqrt(2 (1 - alpha) / (n_in + 2)) per layer).
+    max_full_params: full family: the largest block (its square root of the covariance is d x d).
+    loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
+        batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
+        (F.cross_entropy's default, .mean(), label smoothing, a constant times a mean) is rescaled by its
+        number of terms; a loss function's reduction="sum", or a .sum() over one term per row of the model's
+        input, is taken as is; anything else (a mean plus a regulariser) is an error that names the fix,
+        usually step(closure, batch_size=n). "sum": the loss is L_n (a loss that holds a mean is an error).
+        "mean": the loss is L_n / n, n from step(closure, batch_size=n) or read from the loss.
+    seed: seed of the Monte Carlo noise (and of the paper initialisation). None draws one from torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .posteriors import FAMILIES
+from .priors import XAVIER
+from .validation import is_boolean, is_integer, is_real
+
+__all__ = ["FAMILY_ONLY", "FIXED", "PRESETS", "check_batch_size", "check_param_group", "check_state_dict",
+           "check_step_sizes", "resolve", "validate"]
+
+INITS = ("paper", "bgd", "alpha", "keep")
+STD_GROWTH = ("paper", "capped", "none")
+MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
+LOSS_REDUCTIONS = ("auto", "sum", "mean")
+
+# Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
+# (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
+# (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, beta < 1; the model's own weights
+# as the prior mean with each layer's own prior std (std_init="xavier", priors.py). The full family's
+# recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
+_PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
+          "std_growth": "paper", "cov_momentum": 0.0, "init": "paper", "max_full_params": 4096}
+PRESETS: dict[str, dict[str, dict]] = {
+    "recommended": {
+        "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.3, "antithetic": True, "std_growth": "none",
+                     "init": "keep", "std_init": XAVIER},
+        "kronecker": {**_PAPER, "cov_step": 0.1, "antithetic": True, "std_growth": "none", "init": "keep",
+                      "std_init": XAVIER},
+        "full": {**_PAPER, "antithetic": True, "init": "keep", "std_init": XAVIER},
+    },
+    "paper": {family: dict(_PAPER) for family in FAMILIES},
+}
+# Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
+# preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
+FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "alpha": ("kronecker",),
+               "max_full_params": ("full",)}
+# Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
+# step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
+FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
+
+
+def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
+    """eta >= 0 (0: the mean stays, the covariance still updates, as a warm-up schedule from lr 0 or a cosine
+    schedule down to eta_min = 0 asks), beta > 0; both finite Python or numpy scalars."""
+    if not (is_real(mean_step) and math.isfinite(mean_step) and mean_step >= 0):
+        raise ValueError(f"{names[0]} must be a finite number >= 0 (Python or numpy scalar), got {mean_step!r}")
+    if not (is_real(cov_step) and math.isfinite(cov_step) and cov_step > 0):
+        raise ValueError(f"{names[1]} must be a positive finite number (Python or numpy scalar), got {cov_step!r}")
+
+
+
+def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
+              mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
+              init: object, max_full_params: object) -> None:
+    """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
+    if not is_integer(mc_samples) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+    if not (std_init == XAVIER or is_real(std_init) and math.isfinite(std_init) and 0 < std_init <= MAX_STD_INIT):
+        raise ValueError(f"std_init must be a number in (0, {MAX_STD_INIT}] or {XAVIER!r}, got {std_init!r}")
+    for name, value in (("alpha", alpha), ("cov_momentum", cov_momentum)):
+        if not is_real(value):
+            raise ValueError(f"{name} must be a real number, got {value!r}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    check_step_sizes(mean_step, cov_step)
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if not is_boolean(antithetic):
+        raise ValueError(f"antithetic must be True or False, got {antithetic!r}")
+    if antithetic and mc_samples % 2:
+        raise ValueError(f"antithetic sampling (on in the recommended preset) pairs the samples: mc_samples must be "
+                         f"even, got {mc_samples}; pass antithetic=False for an odd K")
+    if std_growth not in STD_GROWTH:
+        raise ValueError(f"std_growth must be one of {STD_GROWTH}, got {std_growth!r}")
+    if not 0 <= cov_momentum < 1:
+        raise ValueError(f"cov_momentum must be in [0, 1), got {cov_momentum!r}")
+    if not is_integer(max_full_params) or max_full_params < 1:
+        raise ValueError(f"max_full_params must be a positive integer, got {max_full_params!r}")
+    if seed is not None and not is_integer(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict[str, object]:
+    """The settings of a FOOVB: the preset's values for the family, overridden by those `given` (not None);
+    a ValueError for an unknown family or preset, or a setting that the family does not read."""
+    if posterior not in FAMILIES:
+        raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+    given = {key: value for key, value in given.items() if value is not None}
+    for key, families in FAMILY_ONLY.items():
+        if key in given and posterior not in families and not (key == "alpha" and given.get("init") == "alpha"):
+            raise ValueError(f"{key} applies to the {' and '.join(families)} family only, not to "
+                             f"posterior={posterior!r}")
+    return {**PRESETS[preset][posterior], **given}
+
+
+def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list, index: dict[int, int]) -> None:
+    """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture
+    (`num_params` trainable tensors; each block's state of the same shapes, `index`: id(param) -> its position)."""
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        raise ValueError("not a FOOVB state dict: 'param_groups' must be a list of dicts")
+    if len(groups) != 1:
+        raise ValueError(f"a FOOVB state dict has one parameter group, this one has {len(groups)}")
+    if len(groups[0]["params"]) != num_params:
+        raise ValueError("the state dict was saved for a model with another number of trainable parameters")
+    changed = {key: (groups[0].get(key), value) for key, value in fixed.items()
+               if groups[0].get(key) != value}
+    if changed:
+        details = ", ".join(f"{key}: saved {saved!r}, here {here!r}" for key, (saved, here) in changed.items())
+        raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); "
+                         "build the optimizer with the saved settings")
+    check_step_sizes(groups[0].get("lr"), groups[0].get("cov_step"), ("lr (mean_step)", "cov_step"))
+    for block in blocks:
+        saved = state_dict["state"].get(index[id(block.params[0])], {})
+        for key, value in block.state.items():
+            if key in block.optional_state:
+                continue
+            if key not in saved or tuple(saved[key].shape) != tuple(value.shape):
+                found = tuple(saved[key].shape) if key in saved else "missing"
+                raise ValueError(f"the state dict does not fit this model: the {block.family} posterior of "
+                                 f"a {tuple(block.params[0].shape)} parameter needs {key!r} of shape "
+                                 f"{tuple(value.shape)}, found {found}")
+
+
+def check_param_group(group: dict, fixed: dict) -> None:
+    """The hyperparameters a step reads: step sizes valid (made Python floats), the `fixed` ones unchanged
+    since construction."""
+    for key, value in fixed.items():
+        if group[key] != value:
+            raise ValueError(f"param_groups[0][{key!r}] was changed from {value!r} to {group[key]!r}; it is "
+                             "fixed at construction (build a new FOOVB); only 'lr' (the mean step eta) and "
+                             "'cov_step' may change")
+    check_step_sizes(group["lr"], group["cov_step"], ("param_groups[0]['lr'] (mean_step)", "cov_step"))
+    group["lr"], group["cov_step"] = float(group["lr"]), float(group["cov_step"])
+
+
+def check_batch_size(batch_size: object, loss_reduction: str) -> None:
+    """step(closure, batch_size=n): a positive integer, for a mean loss."""
+    if not is_integer(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if loss_reduction == "sum":
+        raise ValueError("batch_size rescales a mean loss: with loss_reduction='sum' the closure must return "
+                         "the summed loss")
