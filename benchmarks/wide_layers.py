@@ -2,7 +2,7 @@
 
 Diagonal FOO-VB, K=10, batch 128, MLP 784-w-w-10, a random batch; prints, measured in this one run, the median
 step time of each path and their ratio, for every width and chunk size. Layers of WIDE_LAYER weights or more are
-evaluated one sample at a time by step_batched too (foovb.optimizer.WIDE_LAYER).
+evaluated one sample at a time by step_batched too (foovb.engine.WIDE_LAYER).
 
     python benchmarks/wide_layers.py [--widths 100,400,1000] [--repeats 8] [--threads 1]
 """

@@ -149,6 +149,9 @@ def check_command(command: str) -> str:
         parser.parse_args(argv)
     except SystemExit as exc:  # argparse's way of refusing a flag or subcommand
         raise AssertionError(f"the CLI refuses {command!r}") from exc
+    while argv[0].startswith("--"):  # top-level flags before the subcommand (foovb --debug run ...)
+        assert argv[0] in parser._option_string_actions, f"{command!r}: {argv[0]} is not a flag of `foovb`"
+        argv = argv[1:]
     subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     flags = subcommands[argv[0]]._option_string_actions
     for flag in (arg.split("=")[0] for arg in argv[1:] if arg.startswith("--")):
