@@ -169,11 +169,19 @@ def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(config_file, damaged
     assert not list(damaged.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("problem", ["duplicate key", "unwritable output", "subset too large"])
+@pytest.mark.parametrize("problem", ["duplicate key", "unwritable output", "subset too large", "corrupt data file"])
 def test_user_errors_of_the_cli_are_one_line(config_file, tmp_path, capfd, problem):
     out = tmp_path / "r"
     options = []
-    if problem == "duplicate key":
+    if problem == "corrupt data file":
+        folder = tmp_path / "data" / "fashion_mnist"
+        folder.mkdir(parents=True)
+        for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                     "t10k-labels-idx1-ubyte"):
+            (folder / f"{name}.gz").write_bytes(os.urandom(256))
+        options = ["scenario={kind: vision_mix, num_tasks: 1, datasets: [fashion_mnist], data_dir: "
+                   f"{tmp_path / 'data'}}}", "model={kind: lenet}"]
+    elif problem == "duplicate key":
         config_file.write_text(config_file.read_text() + "checkpoint_every: 5\n")
     elif problem == "unwritable output":
         (tmp_path / "a_file").write_text("")
@@ -183,7 +191,8 @@ def test_user_errors_of_the_cli_are_one_line(config_file, tmp_path, capfd, probl
     assert _cli_run(config_file, out, *options) == 2
     line = _one_error_line(capfd)
     expected = {"duplicate key": "the key 'checkpoint_every' is given twice", "unwritable output": "a_file",
-                "subset too large": "train_subset must be in [1, 60000], got 70000"}[problem]
+                "subset too large": "train_subset must be in [1, 60000], got 70000",
+                "corrupt data file": "fashion_mnist"}[problem]
     assert expected in line
 
 
