@@ -140,7 +140,8 @@ class RunningStatistics:
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
-                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None]
+                        if getattr(m, "running_mean", None) is not None and getattr(m, "running_var", None) is not None
+                        and getattr(m, "num_batches_tracked", None) is not None]  # batch / instance norm
         self.before = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
                        for m in self.modules]
         self.sums = [(torch.zeros_like(mean), torch.zeros_like(var)) for mean, var, _ in self.before]
@@ -310,6 +311,11 @@ def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
             block_stats[key] = value.scaled(factor) if isinstance(value, LowRank) else value.mul_(factor)
 
 
+def _norms(tensors: list[Tensor]) -> list[Tensor]:
+    """The norm of each tensor (NaN / Inf propagate: one synchronisation checks them all)."""
+    return [torch.linalg.vector_norm(t) for t in tensors]
+
+
 @torch.no_grad()
 def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int, mean_step: float,
                  cov_step: float, reducer: StatisticsReducer | None, step_number: int, std_growth: str) -> float:
@@ -326,7 +332,7 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], num_sam
         return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
 
     # NaN/Inf propagate through norms: one synchronisation for all blocks, then find the culprits
-    norms = torch._foreach_norm([t for block in blocks for t in pieces(block)])
+    norms = _norms([t for block in blocks for t in pieces(block)])
     bad = [] if torch.stack(norms).sum().isfinite() else [
         b for b in blocks if not all(torch.isfinite(t).all() for t in pieces(b))]
     if bad or not all(math.isfinite(v) for v in losses):
@@ -339,7 +345,7 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], num_sam
             block.update(stats[block], num_samples, mean_step, cov_step)
     # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
     new_state = [value for block in blocks for value in block.state.values()]
-    if not torch.stack(torch._foreach_norm(new_state)).sum().isfinite():
+    if not torch.stack(_norms(new_state)).sum().isfinite():
         for block in blocks:
             block.state.clear()  # entries that the failed update created (cov_momentum's average) go too
             block.state.update(before[block])
