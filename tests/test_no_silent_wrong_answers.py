@@ -122,14 +122,47 @@ def test_non_finite_or_moved_weights_written_after_construction_are_errors():
     # label smoothing keeps a mean over the batch
     (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
      lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="sum")),
-    # a constant times a mean: a mean of scaled terms
-    (lambda out, y: F.cross_entropy(out, y) / 2, lambda out, y: summed_ce(out, y) / 2),
+    # a mean or a sum written by hand (a sum divided by the batch's rows, a mean times them)
+    (lambda out, y: summed_ce(out, y) / len(y), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y) * len(y), summed_ce),
     (lambda out, y: -out.log_softmax(-1)[torch.arange(len(y)), y].mean(), summed_ce),
     # per-example losses summed over the batch's rows
     (lambda out, y: F.cross_entropy(out, y, reduction="none").sum(), summed_ce),
 ])
 def test_scaled_means_and_row_sums_take_the_step_of_the_summed_loss(family, loss_fn, summed):
     assert_same_posterior(one_step(loss_fn, family), one_step(summed, family))
+
+
+def test_a_constant_times_a_mean_is_refused_with_both_readings_and_each_fix_works():
+    """loss / 2: is the 1/2 part of each example's loss, or does it scale the batch (the gradient-accumulation
+    recipe (loss / k).backward() per micro-batch)? Reading it either way was silently wrong for the other."""
+    model = mlp()
+    with pytest.raises(ValueError, match=r"0.5 times a mean over 8 terms.*The first: step\(closure, batch_size=8\); "
+                                         r"the second: step\(closure, batch_size=16\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) / 2))
+    # the accumulation recipe over 2 micro-batches of 4 rows, with the batch's size declared: the one-batch step
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+
+    def accumulate():
+        for rows in (slice(0, 4), slice(4, 8)):
+            (F.cross_entropy(model(X[rows]), Y[rows]) / 2).backward()
+        return torch.tensor(0.0)
+
+    opt.step(accumulate, batch_size=8)
+    assert_same_posterior(opt, one_step(summed_ce))
+    # 1/2 of each example's loss: batch_size=8 gives the step of the summed halved loss
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) / 2), batch_size=8)
+    assert_same_posterior(opt, one_step(lambda out, y: summed_ce(out, y) / 2, loss_reduction="sum"))
+
+
+def test_a_mean_over_a_stack_of_means_is_refused():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"a .mean\(\) over a stack of values"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: torch.stack(
+            [F.cross_entropy(out[:4], y[:4]), F.cross_entropy(out[4:], y[4:])]).mean()))
 
 
 def test_a_sum_over_a_stack_of_losses_is_refused_with_the_batch_size_fix():
@@ -248,3 +281,27 @@ def test_freezing_half_of_a_matrix_variate_layer_is_refused():
         opt.step(closure_of(model, summed_ce))
     model[0].weight.requires_grad_(True)
     opt.step(closure_of(model, summed_ce))  # both trainable again: the step runs
+
+
+def test_parameters_replaced_after_construction_are_refused():
+    """A new head (or load_state_dict(assign=True)) after FOOVB(model): the optimizer would train the old
+    tensors while the model uses the new ones; it said "no parameter received a gradient"."""
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    model[2] = torch.nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="parameters were replaced after the optimizer was built"):
+        opt.step(closure_of(model, summed_ce))
+    model = mlp()
+    opt = FOOVB(model, "kronecker", 4)
+    model.load_state_dict(mlp(seed=5).state_dict(), assign=True)
+    with pytest.raises(ValueError, match="parameters were replaced"):
+        opt.step(closure_of(model, summed_ce))
+
+
+def test_step_batched_names_its_own_fix_for_a_regularised_loss():
+    model = mlp()
+    opt = FOOVB(model, "kronecker", 4)
+    with pytest.raises(ValueError, match=r"step_batched: loss_fn must return a mean over the 4 x 8 stacked rows") \
+            as error:
+        opt.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum())
+    assert "batch_size=32" not in str(error.value).split("What was read")[0]

@@ -74,7 +74,8 @@ def test_a_checkpoint_altered_inside_a_valid_file_is_refused(config_file, damage
     assert not (damaged / "summary.json").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "foreign", "pickled object"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "foreign", "pickled object",
+                                    "string version"])
 def test_an_unreadable_or_foreign_checkpoint_is_one_error_line(config_file, damaged, capfd, damage):
     path = damaged / "checkpoint.pt"
     content = path.read_bytes()
@@ -86,6 +87,10 @@ def test_an_unreadable_or_foreign_checkpoint_is_one_error_line(config_file, dama
         path.write_bytes(os.urandom(4096))
     elif damage == "foreign":
         torch.save({"model": torch.zeros(3)}, path)  # a valid torch file of something else
+    elif damage == "string version":
+        state = torch.load(path)
+        state["format"] = [rundir.FORMAT, str(rundir.VERSION)]
+        torch.save(state, path)
     else:
         torch.save({"learner": object}, path)  # needs weights_only=False: never ours
     assert _cli_run(config_file, damaged, "--resume") == 2
@@ -203,3 +208,34 @@ def test_debug_shows_the_traceback(config_file, tmp_path):
 
     with pytest.raises(ConfigError, match="given twice"):
         main(["--debug", "run", str(config_file), "--out", str(tmp_path / "r"), "--no-progress"])
+
+
+def test_a_checkpoint_of_another_model_is_one_error_line(config_file, damaged, tmp_path, capfd):
+    other = tmp_path / "other"
+    run(config_from_dict({**TINY, "model": {"kind": "mlp", "hidden": [8]}}), other, progress=False, stop_after=3)
+    (damaged / "checkpoint.pt").write_bytes((other / "checkpoint.pt").read_bytes())
+    assert _cli_run(config_file, damaged, "--resume") == 2
+    assert "does not fit this run's learner and model" in _one_error_line(capfd)
+
+
+def test_ctrl_c_before_the_run_starts_is_one_line(config_file, tmp_path, capfd, monkeypatch):
+    from foovb_suite import cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_config", interrupted)  # e.g. while torch is still being imported
+    assert _cli_run(config_file, tmp_path / "r") == 130
+    err = capfd.readouterr().err
+    assert err == "foovb: interrupted\n"
+
+
+def test_yaml_merge_keys_are_read_and_may_be_overridden(tmp_path):
+    from foovb_suite.config import load_config
+
+    path = tmp_path / "merged.yaml"
+    text = yaml.safe_dump({k: v for k, v in TINY.items() if k != "scenario"}) + (
+        "scenario:\n  <<: {kind: discrete_permuted_mnist, num_tasks: 2, batch_size: 64}\n  batch_size: 32\n")
+    path.write_text(text)
+    config = load_config(path)
+    assert (config.scenario.num_tasks, config.scenario.batch_size) == (2, 32)

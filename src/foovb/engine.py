@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from .optimizer import FOOVB
 
 __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
-           "check_batched_step", "check_gradients", "closure_of", "draw_noise", "evaluate_sequential", "mix",
-           "refuse_accumulated_gradients", "scale_statistics", "stacking_is_slower", "trainable_blocks"]
+           "check_batched_step", "check_gradients", "check_same_parameters", "closure_of", "draw_noise",
+           "evaluate_sequential", "mix", "refuse_accumulated_gradients", "scale_statistics", "stacking_is_slower",
+           "trainable_blocks"]
 
 # A sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples slower than
 # one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10 1.37x)
@@ -93,6 +94,18 @@ def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
             "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
             "used. Use one batch per step (a larger batch instead of accumulation), and call "
             "optimizer.zero_grad() before the first step if the model still holds gradients")
+
+
+def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock]) -> None:
+    """The model still holds the parameter tensors the optimizer was built on (not replaced by
+    load_state_dict(assign=True), a new module, or a cast that makes new parameters)."""
+    held = {id(p) for p in model.parameters()}
+    covered = {id(p) for block in blocks for p in block.params}
+    if not covered <= held or any(p.requires_grad and id(p) not in covered for p in model.parameters()):
+        raise ValueError("the model's parameters were replaced after the optimizer was built (a new module, "
+                         "load_state_dict(assign=True), a cast with overwritten parameters): the optimizer would "
+                         "train the old ones; build a new FOOVB on the model as it is now (its state_dict loads "
+                         "into the new one if the shapes are the same)")
 
 
 def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
@@ -292,7 +305,14 @@ class Step:
                         loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
                         # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
                         reduction = loss_reduction_of(loss)
-                        grad_scale = loss_scale(reduction, opt.loss_reduction, None, frozenset({c * rows}))
+                        try:
+                            grad_scale = loss_scale(reduction, opt.loss_reduction, None, frozenset({c * rows}))
+                        except ValueError as error:  # its advice is for step(closure): step_batched has no batch_size
+                            raise ValueError(
+                                f"step_batched: loss_fn must return a mean over the {c} x {rows} stacked rows or their "
+                                "sum (e.g. F.cross_entropy's default, or reduction='sum'); for any other loss (a "
+                                "regulariser, a constant) use step(closure), whose error names the fix. "
+                                f"What was read: {error}") from None
                         loss.backward()
                     with full_precision():
                         network.accumulate(self.stats, grad_scale, shared_inputs)

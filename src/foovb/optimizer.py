@@ -25,6 +25,7 @@ from .engine import (
     Step,
     apply_update,
     check_batched_step,
+    check_same_parameters,
     closure_of,
     draw_noise,
     evaluate_sequential,
@@ -262,6 +263,7 @@ class FOOVB(torch.optim.Optimizer):
             check_batch_size(batch_size, self.loss_reduction)
         check_param_group(self.param_groups[0], self._fixed)
         refuse_accumulated_gradients(self.blocks)
+        check_same_parameters(self.model, self.blocks)
         self._adopt_model_weights()
         blocks = trainable_blocks(self.blocks)
         self._pending = Step(self._next_seed(), blocks, {block: block.new_statistics() for block in blocks},

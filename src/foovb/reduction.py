@@ -36,28 +36,34 @@ class LossReduction(NamedTuple):
 
     terms: a mean's number of terms (its divisor); a `.sum()`'s number of leading rows (nan for a loss function's
     reduction="sum", which is trusted); nan otherwise. mean_inside: for a loss that is neither, the number of
-    terms of a mean among its operands (a mean loss plus a regulariser), else nan.
+    terms of a mean among its operands (a mean loss plus a regulariser), else nan. factor: the constant the mean or
+    sum was multiplied by last (constants inside a sum of two means over the same terms, as in label smoothing,
+    weigh each example's terms and are not counted).
     """
 
     kind: str
     terms: float
     mean_inside: float = math.nan
+    factor: float = 1.0  # a constant the reduction was multiplied by (loss / 2: 0.5)
 
 
-def _constant_operand(node: object) -> object | None:
-    """The autograd input of a multiplication / division by a constant scalar (or a negation); None else."""
+def _constant_operand(node: object) -> tuple[object, float] | None:
+    """The autograd input of a multiplication / division by a constant scalar, and the multiplier (1 for a
+    negation: the sign belongs to each example's loss, as in -logp.mean()); None for any other node."""
     name = type(node).__name__
     if name == "NegBackward0":
-        return node.next_functions[0][0]
+        return node.next_functions[0][0], 1.0
     if name in ("MulBackward1", "DivBackward1"):  # by a Python number
-        return node.next_functions[0][0]
+        value = float(node._saved_other)
+        return node.next_functions[0][0], value if name == "MulBackward1" else 1 / value
     if name in ("MulBackward0", "DivBackward0"):
         first, second = node.next_functions[0][0], node.next_functions[1][0]
         if second is None and getattr(node, "_saved_other", None) is not None and node._saved_other.numel() == 1:
-            return first
+            value = float(node._saved_other)
+            return first, value if name == "MulBackward0" else 1 / value
         if name == "MulBackward0" and first is None and getattr(node, "_saved_self", None) is not None \
                 and node._saved_self.numel() == 1:
-            return second
+            return second, float(node._saved_self)
     return None
 
 
@@ -75,14 +81,14 @@ def _read(node: object, depth: int = 0) -> LossReduction:
     if node is None:
         return LossReduction("no graph", math.nan)
     name = type(node).__name__
-    inner = _constant_operand(node)
-    if inner is not None and depth < 16:
-        found = _read(inner, depth + 1)
+    constant = _constant_operand(node)
+    if constant is not None and depth < 16:
+        found = _read(constant[0], depth + 1)
         divisor = _divisor(node)
         # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term)
-        if found.kind == "sum" and divisor is not None and divisor == found.terms:
+        if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor == found.terms:
             return LossReduction("mean", found.terms)
-        return found
+        return found._replace(factor=found.factor * constant[1])
     if name.startswith("SumBackward"):
         sizes = tuple(node._saved_self_sym_sizes)
         if math.prod(sizes) == 1 and depth < 16:  # the sum of a one-element tensor: itself
@@ -92,6 +98,9 @@ def _read(node: object, depth: int = 0) -> LossReduction:
             return LossReduction(f"a .sum() over a {source[:-9].lower()} of values", math.nan)
         return LossReduction("sum", float(sizes[0]) if sizes else 1.0)
     if name.startswith("MeanBackward"):
+        source = type(node.next_functions[0][0]).__name__
+        if source in ("StackBackward0", "CatBackward0"):  # a mean of losses, each over its own terms
+            return LossReduction(f"a .mean() over a {source[:-9].lower()} of values", math.nan)
         return LossReduction("mean", float(math.prod(node._saved_self_sym_sizes)))
     reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum
     if reduction == 2:
@@ -102,12 +111,15 @@ def _read(node: object, depth: int = 0) -> LossReduction:
                              else float(node._saved_self.numel()))
     if name in _COMBINATIONS and depth < 16:
         parts = [_read(child, depth + 1) for child, _ in node.next_functions if child is not None]
+        # two means over the same terms (label smoothing: (1 - e) nll + e smooth): a mean of each example's
+        # weighted terms; equal weights (0.5 a + 0.5 b) are a constant of the whole loss
+        factor = parts[0].factor if len(parts) == 2 and parts[0].factor == parts[1].factor else 1.0
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "mean" and parts[0].terms == parts[1].terms:
-            return parts[0]  # two means over the same terms: a mean of their weighted sum (label smoothing)
+            return LossReduction("mean", parts[0].terms, factor=factor)
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "sum":  # label smoothing with reduction="sum"
             rows = {part.terms for part in parts if not math.isnan(part.terms)}
             if len(rows) <= 1:
-                return LossReduction("sum", rows.pop() if rows else math.nan)
+                return LossReduction("sum", rows.pop() if rows else math.nan, factor=factor)
         means = [part.terms if part.kind == "mean" else part.mean_inside for part in parts]
         return LossReduction(name, math.nan, next((n for n in means if not math.isnan(n)), math.nan))
     return LossReduction(name, math.nan)
@@ -131,7 +143,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
-    kind, terms, mean_inside = reduction if reduction is not None else ("no backward() seen", math.nan, math.nan)
+    kind, terms, mean_inside, factor = reduction if reduction is not None else ("no backward() seen", math.nan,
+                                                                                 math.nan, 1.0)
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
@@ -141,14 +154,31 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         return float(batch_size)
     if declared == "sum":
         if kind == "mean" or not math.isnan(mean_inside):
-            what = "is a mean" if kind == "mean" else f"adds a mean ({kind}) to other terms"
+            what = (f"is a mean over {terms:g} terms" if kind == "mean" else
+                    f"adds other terms to a mean over {mean_inside:g} terms (its last operation: {kind})")
             fix = ("use reduction='sum' in the loss function" if kind == "mean" else
                    f"keep loss_reduction='auto' and call step(closure, batch_size={n or 'n'})")
             raise ValueError(f"loss_reduction='sum' says the loss is the batch's summed negative log-likelihood, "
-                             f"but it {what} over {terms if kind == 'mean' else mean_inside:g} terms: {fix}")
+                             f"but it {what}: {fix}")
         return 1.0
-    if kind == "mean":
+    if kind == "mean" and factor == 1:
         return terms
+    if kind == "mean" and factor == terms:  # a mean times its number of terms: a sum written by hand
+        return 1.0
+    if kind == "sum" and factor != 1:
+        row = next((r for r in (terms, *rows) if not math.isnan(r) and factor * r == 1), None)
+        if row is not None:  # a sum divided by the batch's rows: a mean written by hand
+            return float(row)
+    if kind in ("mean", "sum") and factor != 1 and declared != "mean":
+        over = f" over {terms:g} terms" if not math.isnan(terms) else ""
+        each = (f"step(closure, batch_size={terms:g})" if kind == "mean" else "FOOVB(..., loss_reduction='sum')")
+        whole = terms / factor if kind == "mean" else 1 / factor
+        batch = (f"step(closure, batch_size={whole:g})" if kind == "mean" and float(whole).is_integer() and whole >= 1
+                 else "drop it from the loss (FOO-VB needs the batch's own likelihood)")
+        raise ValueError(
+            f"the loss is {factor:g} times a {kind}{over}: whether {factor:g} belongs to each example's loss (a "
+            f"Gaussian's 1/2) or scales the whole batch (1/k over k micro-batches, a dataset size) cannot be read "
+            f"from it. The first: {each}; the second: {batch}")
     if declared == "mean":
         raise ValueError(f"loss_reduction='mean' says the loss is a mean, but its last operation is "
                          f"{'a sum' if kind == 'sum' else kind}: return the mean, or call "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import re
 import shlex
 import signal
@@ -279,10 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # e.g. `foovb configs | head -1`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:  # before or after a run's own handling (e.g. while importing torch)
+        if args.debug:
+            raise
+        print("foovb: interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as error:
         if args.debug:
             raise
-        text = error.strerror if isinstance(error, OSError) and error.strerror and not error.filename else error
+        text = error
+        if isinstance(error, OSError) and error.strerror:
+            text = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
         print(f"foovb: error: {' '.join(str(text).split())}", file=sys.stderr)
         return 2
 

@@ -93,13 +93,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint written by `save_checkpoint`, its digest checked (one of foovb 1.0, without a digest, is read
     with a warning). Anything else is a `CheckpointError` that names the file and what to do."""
     advice = ("start the run again in another directory (--out), or restore the file from a backup")
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file; {advice}")
+    with open(path, "rb") as handle:
+        if handle.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
+            raise CheckpointError(f"{path} is not a readable foovb checkpoint (not a torch checkpoint file: empty, "
+                                  f"truncated at its start, or another kind of file); {advice}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
     except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError, ... here
-        cause = " ".join(str(error).split())[:160] or type(error).__name__
-        if "weights_only" in cause or "Unsupported global" in cause:
+        cause = " ".join(str(error).split()).split(". ")[0][:160] or type(error).__name__
+        if "weights_only" in cause or "Unsupported global" in cause or "Weights only load failed" in cause:
             cause = "it holds objects that a foovb checkpoint never holds"
         raise CheckpointError(f"{path} is not a readable foovb checkpoint (truncated, corrupt or another file: "
                               f"{cause}); {advice}") from error
@@ -111,7 +115,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         print(f"foovb: warning: {path} was written by foovb 1.0, without a digest: its content is not verified",
               file=sys.stderr)
         return state
-    if not (isinstance(found, list) and found[:1] == [FORMAT] and len(found) == 2):
+    if not (isinstance(found, list) and found[:1] == [FORMAT] and len(found) == 2 and type(found[1]) is int):
         raise CheckpointError(f"{path} is not a foovb run checkpoint (format {found!r}); {advice}")
     if found[1] > VERSION:
         raise CheckpointError(f"{path} was written by a newer foovb (checkpoint version {found[1]}, this one reads "

@@ -42,7 +42,7 @@ from .baselines import BASELINES
 from .config import CONTINUOUS, EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
-from .rundir import RunLock, load_checkpoint, save_checkpoint, write_atomically
+from .rundir import CheckpointError, RunLock, load_checkpoint, save_checkpoint, write_atomically
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -281,6 +281,16 @@ def _load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def _load_learner_state(learner: Learner, state: dict[str, Any], path: Path) -> None:
+    """The checkpoint's learner state into `learner`; a state of another model or learner is a CheckpointError."""
+    try:
+        learner.load_state_dict(state["learner"])
+    except (ValueError, KeyError, RuntimeError, TypeError) as error:
+        raise CheckpointError(f"{path} does not fit this run's learner and model ({' '.join(str(error).split())}): "
+                              "resume it with the config it was written with (the run directory's config.yaml), "
+                              "or start a new run") from error
+
+
 class _TrainingLoop:
     """The iterations of a run from `start`: observe, evaluate at the scenario's eval points, checkpoint (at the
     evaluations and every `checkpoint_every` iterations), and stop cleanly on divergence and Ctrl-C."""
@@ -459,7 +469,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
     if state is not None:
-        learner.load_state_dict(state["learner"])
+        _load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
         distributed.distribute(learner.optimizer, "mc")
     if main_process:
@@ -592,7 +602,7 @@ def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Lea
     config = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     with torch.random.fork_rng(devices=[]):  # build_learner seeds the model's initialisation
         learner = build_learner(config, build_scenario(config), resolve_device(str(device)))
-    learner.load_state_dict(_load_checkpoint(checkpoint_path)["learner"])
+    _load_learner_state(learner, _load_checkpoint(checkpoint_path), checkpoint_path)
     return learner
 
 
