@@ -2,8 +2,8 @@
 
 For each posterior family and each way to step (step(closure) with a mean loss, step_batched, the own loop of
 sampled_params(train=True) blocks), 200 steps on 2,048 MNIST images (a 784-32-10 MLP; the full family on a
-49-8-10 one, every 16th pixel), then: the SHA-256 of every posterior tensor after every 50 steps, of the losses, and of sampled
-predictions. Run it before and after a change and compare the printed lines::
+49-8-10 one, every 16th pixel), then: the SHA-256 of every posterior tensor after every 50 steps, of the losses,
+and of sampled predictions. Run it before and after a change and compare the printed lines::
 
     python scripts/trace_digest.py > before.txt   # (on the old commit)
     python scripts/trace_digest.py > after.txt && diff before.txt after.txt

@@ -79,3 +79,27 @@ def single_thread():
 
 # The paper's hyperparameters with the summed loss that the math tests' closures return
 PAPER = {"preset": "paper", "loss_reduction": "sum"}
+
+
+# The runner tests' tiny run (tests/test_run_recovery.py, tests/test_run_robustness.py).
+# 10 iterations per task, 2 tasks: evaluations after 10 and 20 iterations, periodic checkpoints after 7 and 14
+TINY = {
+    "name": "tiny",
+    "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 640,
+                 "batch_size": 64},
+    "model": {"kind": "mlp", "hidden": [16, 16]},
+    "learner": {"kind": "foovb", "params": {"mc_samples": 4, "eval_samples": 4}},
+    "evaluation": {"test_subset": 300},
+    "checkpoint_every": 7,
+    "device": "cpu",
+}
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    """TINY as a YAML config file."""
+    import yaml
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path

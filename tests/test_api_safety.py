@@ -109,8 +109,8 @@ def test_declared_reductions_that_contradict_the_loss_are_errors():
     with pytest.raises(ValueError, match="loss_reduction='sum' .* but it is a mean over 8 terms: use reduction='sum'"):
         FOOVB(model, loss_reduction="sum").step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
     # a mean plus a regulariser declared a sum (what the error of 1.0 suggested): refused, with the one right fix
-    with pytest.raises(ValueError, match=r"adds other terms to a mean over 8 terms .*: keep loss_reduction='auto' and call "
-                                         r"step\(closure, batch_size=8\)"):
+    with pytest.raises(ValueError, match=r"adds other terms to a mean over 8 terms .*: keep loss_reduction='auto' "
+                                         r"and call step\(closure, batch_size=8\)"):
         FOOVB(model, loss_reduction="sum").step(
             _closure(model, lambda m: F.cross_entropy(m(X), Y) + 1e-3 * m[0].weight.square().sum()))
     with pytest.raises(ValueError, match="says the loss is a mean, but it is a sum"):

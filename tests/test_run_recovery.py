@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import TINY
 
 from foovb.predict import predict
 from foovb_suite import plots, runner
@@ -19,17 +20,6 @@ from foovb_suite.cli import main
 from foovb_suite.config import config_from_dict
 from foovb_suite.runner import load_learner, load_model, run
 
-# 10 iterations per task, 2 tasks: evaluations after 10 and 20 iterations, periodic checkpoints after 7 and 14
-TINY = {
-    "name": "tiny",
-    "scenario": {"kind": "discrete_permuted_mnist", "num_tasks": 2, "epochs_per_task": 1, "train_subset": 640,
-                 "batch_size": 64},
-    "model": {"kind": "mlp", "hidden": [16, 16]},
-    "learner": {"kind": "foovb", "params": {"mc_samples": 4, "eval_samples": 4}},
-    "evaluation": {"test_subset": 300},
-    "checkpoint_every": 7,
-    "device": "cpu",
-}
 # FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
 DIVERGING_FOOVB = ["learner.params.std_init=1.0", "learner.params.std_growth=paper", "learner.params.antithetic=false"]
 
@@ -42,13 +32,6 @@ def no_plots():
             if name.startswith("plot_"):
                 patch.setattr(plots, name, lambda *args, **kwargs: None)
         yield
-
-
-@pytest.fixture
-def config_file(tmp_path):
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(TINY))
-    return path
 
 
 @pytest.fixture(scope="module")
