@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import re
 import shlex
@@ -18,7 +19,7 @@ import torch
 
 from foovb import __version__
 
-from .config import ConfigError, config_from_dict, load_config
+from .config import ConfigError, config_from_dict, load_config, protocol_of
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 from .rundir import CheckpointError
 
@@ -138,6 +139,20 @@ def _seed_rows(runs: list[dict]) -> list[list]:
     return rows
 
 
+def _protocol_differences(runs: list[dict]) -> list[str]:
+    """One line per protocol key (`config.protocol_of`) on which the runs differ: the key, then each value with
+    the runs that have it."""
+    protocols = [protocol_of(config_from_dict(r["config"])) for r in runs]
+    lines = []
+    for key in protocols[0]:
+        holders: dict[str, list[str]] = {}
+        for r, protocol in zip(runs, protocols, strict=True):
+            holders.setdefault(json.dumps(protocol[key]), []).append(r["name"])
+        if len(holders) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{value} ({', '.join(names)})" for value, names in holders.items()))
+    return lines
+
+
 def _compare(args: argparse.Namespace) -> int:
     from . import plots
     from .learners import learner_hyperparameters
@@ -157,6 +172,10 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"foovb: error: --plot-runs: {unknown} not among the compared runs {names}",
               file=sys.stderr)
         return 2
+    differences = _protocol_differences(runs)
+    if differences:
+        print("foovb: warning: the runs differ in their protocol, so their accuracies do not compare:\n  "
+              + "\n  ".join(differences), file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = ["run", "learner", "scenario", "tasks", "iterations", "mc_samples", "mode", "average_accuracy",
@@ -179,6 +198,10 @@ def _compare(args: argparse.Namespace) -> int:
                 average_curves[label] = (stages, entry["average_accuracy_curve"])
                 first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
     _write_table(out, "compare", header, rows)
+    if differences:
+        with open(out / "compare.md", "a") as f:
+            f.write("\nThe runs differ in their protocol, so their accuracies do not compare:\n\n"
+                    + "".join(f"- {line}\n" for line in differences))
     print()
     seed_header = ["experiment", "runs", "seeds", "num_runs", "learner", "mode", "average_accuracy_mean",
                    "average_accuracy_std", "average_accuracy_min", "average_accuracy_max",

@@ -230,6 +230,19 @@ def config_to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
 
+def protocol_of(config: Config) -> dict[str, Any]:
+    """The evaluation protocol a run's accuracies depend on besides its learner: the scenario (data, input
+    pipeline, batch size, length) without its seed and the joint-oracle switch, the model and the evaluation
+    settings, as flat ``"section.key": value`` pairs. Learners compare only on one protocol (docs/results.md,
+    "Input padding"): `foovb compare` warns when its runs differ here."""
+    flat = {}
+    for section in ("scenario", "model", "evaluation"):
+        for key, value in dataclasses.asdict(getattr(config, section)).items():
+            if (section, key) not in (("scenario", "seed"), ("scenario", "joint"), ("evaluation", "histograms")):
+                flat[f"{section}.{key}"] = value
+    return flat
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `key.sub=value` overrides (value parsed as YAML) to a raw config mapping."""
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy
