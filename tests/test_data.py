@@ -233,8 +233,19 @@ def test_missing_files_error_lists_only_the_missing_ones(tmp_path):
     (tmp_path / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError) as error:
         load_dataset("fashion_mnist", tmp_path)
-    missing_lines = [line.strip() for line in str(error.value).splitlines() if line.startswith("  /")]
-    assert missing_lines == [str(tmp_path / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz")]
+    assert missing_file_lines(str(error.value)) == [str(tmp_path / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz")]
+
+
+def missing_file_lines(message: str) -> list[str]:
+    """The indented lines under "missing files:" of a FileNotFoundError of load_dataset."""
+    lines = message.splitlines()
+    start = next(i for i, line in enumerate(lines) if "missing files" in line and line.endswith(":")) + 1
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("  "):
+            break
+        block.append(line.strip())
+    return block
 
 
 def test_mnist_by_name_is_the_embedded_copy():

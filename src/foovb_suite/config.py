@@ -79,7 +79,7 @@ class ScenarioConfig:
     train_subset: int | None = None  # first N training images (quick runs)
     eval_every: int | None = None  # continuous: evaluate every N iterations (default: once per task period)
     joint: bool = False  # the joint-training oracle: all tasks mixed
-    data_dir: str | None = None  # vision mix
+    data_dir: str | None = None  # vision mix: where its datasets are (also looked for where system packages put them)
     datasets: list[str] = field(default_factory=lambda: ["mnist", "notmnist", "fashion_mnist", "svhn", "cifar10"])
     seed: int = 0
 
@@ -202,8 +202,6 @@ def validate(config: Config) -> Config:
     if s.kind == "vision_mix" and s.joint:
         raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
                           "(not supported)")
-    if s.kind == "vision_mix" and s.data_dir is None:
-        raise ConfigError("scenario.data_dir: the vision mix needs a data directory")
     if config.model.kind not in ("mlp", "lenet"):
         raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
     if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:

@@ -500,7 +500,8 @@ class VisionMix(_SequentialTaskStream):
     Each dataset is normalised to zero mean and unit variance per channel, with statistics of its own
     (converted) training set. ``Batch.task`` is the dataset index, which the runner gives to the task-aware
     (multi-head) learners. ``datasets`` holds names for :func:`foovb_suite.data.load_dataset` (read from
-    ``data_dir``) or already loaded :class:`ImageDataset` objects.
+    ``data_dir`` and the places system packages install them; :func:`foovb_suite.data.dataset_folders`) or
+    already loaded :class:`ImageDataset` objects.
     """
 
     task_aware = True
@@ -509,7 +510,7 @@ class VisionMix(_SequentialTaskStream):
     def __init__(
         self,
         datasets: Sequence[str | ImageDataset] = DATASET_NAMES,
-        data_dir: str | Path = "data",
+        data_dir: str | Path | None = "data",
         epochs_per_task: int = 20,
         batch_size: int = 64,
         seed: int = 0,

@@ -9,8 +9,12 @@ package (:mod:`foovb_suite.data.mnist`); the others are read from a data directo
     DATA_DIR/svhn/{train,test}_32x32.mat                                  (needs scipy)
     DATA_DIR/cifar10/cifar-10-batches-py/{data_batch_1..5,test_batch}     (the extracted python tarball)
 
-IDX files may also be stored gunzipped (same name without ``.gz``). :func:`download_dataset` fetches the
-official files into that layout; :func:`load_dataset` never touches the network.
+IDX files may also be stored gunzipped (same name without ``.gz``). The usual other names of a dataset's folder are
+found too (``DATA_DIR/fashion-mnist``, torchvision's ``DATA_DIR/FashionMNIST/raw``, ``DATA_DIR/notMNIST``,
+``DATA_DIR/SVHN``, torchvision's ``DATA_DIR/cifar-10-batches-py``), and so are the copies a system package
+installs: Fashion-MNIST in ``/usr/share/datasets/fashion-mnist`` (Debian's ``dataset-fashion-mnist``), looked at
+after the data directory (:func:`dataset_folders`). :func:`download_dataset` fetches the official files into the
+first layout; :func:`load_dataset` never touches the network.
 
 Files are trusted only after a content check. Fashion-MNIST's are compared with the MD5 of the original files'
 uncompressed content (:data:`foovb_suite.data.mnist.KNOWN_IDX_MD5`); a folder may instead hold an
@@ -123,11 +127,14 @@ class _Download:
 class _DatasetSource:
     """Where a dataset lives under the data directory, which files its reader needs, where they come from."""
 
-    subdir: str
+    subdirs: tuple[str, ...]
+    """Its folder's names under the data directory, the one :func:`download_dataset` fills first."""
     required_files: tuple[str, ...]
     downloads: tuple[_Download, ...]
     read: Callable[[Path], tuple[Tensor, Tensor, Tensor, Tensor]]
     """(dataset directory) -> (train_images, train_labels, test_images, test_labels)"""
+    system_dirs: tuple[Path, ...] = ()
+    """Where system packages install it, looked at after the data directory."""
 
 
 def _find_file(directory: Path, relative: str) -> Path | None:
@@ -377,7 +384,7 @@ _SVHN_URL = "http://ufldl.stanford.edu/housenumbers/"
 
 _SOURCES: dict[str, _DatasetSource] = {
     "fashion_mnist": _DatasetSource(
-        subdir="fashion_mnist",
+        subdirs=("fashion_mnist", "fashion-mnist", "FashionMNIST/raw"),
         required_files=_IDX_GZ_NAMES,
         downloads=tuple(
             _Download(_FASHION_MNIST_URL + name, md5)
@@ -395,15 +402,16 @@ _SOURCES: dict[str, _DatasetSource] = {
         read=functools.partial(
             _read_idx_dataset, dataset="Fashion-MNIST", published_md5=KNOWN_IDX_MD5["Fashion-MNIST"]
         ),
+        system_dirs=(Path("/usr/share/datasets/fashion-mnist"),),  # Debian's dataset-fashion-mnist package
     ),
     "notmnist": _DatasetSource(
-        subdir="notmnist",
+        subdirs=("notmnist", "notMNIST"),
         required_files=_IDX_GZ_NAMES,
         downloads=tuple(_Download(_NOTMNIST_URL + name, md5=None) for name in _IDX_GZ_NAMES),
         read=functools.partial(_read_idx_dataset, dataset="notMNIST", published_md5=None),
     ),
     "svhn": _DatasetSource(
-        subdir="svhn",
+        subdirs=("svhn", "SVHN"),
         required_files=("train_32x32.mat", "test_32x32.mat"),
         downloads=(
             _Download(_SVHN_URL + "train_32x32.mat", "e26dedcc434d2e4c54c9b2d4a06d8373"),
@@ -412,7 +420,7 @@ _SOURCES: dict[str, _DatasetSource] = {
         read=_read_svhn,
     ),
     "cifar10": _DatasetSource(
-        subdir="cifar10",
+        subdirs=("cifar10", "."),  # "." holds torchvision's DATA_DIR/cifar-10-batches-py
         required_files=tuple(
             f"{_CIFAR10_DIR}/{name}" for name in (*_CIFAR10_TRAIN_BATCHES, _CIFAR10_TEST_BATCH)
         ),
@@ -445,9 +453,10 @@ def _fetch_instructions(source: _DatasetSource, directory: Path) -> str:
     return "\n".join(lines)
 
 
-def _remedy(name: str, data_dir: str | Path, source: _DatasetSource, directory: Path, bad: object) -> str:
+def _remedy(name: str, data_dir: str | Path | None, source: _DatasetSource, directory: Path, bad: object) -> str:
     """What to do about an unusable file ``bad`` of dataset ``name`` (or, for a folder, about all its files)."""
-    run = f"foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r})"
+    where = str(data_dir) if data_dir is not None else "DATA_DIR"
+    run = f"foovb_suite.data.download_dataset({name!r}, {where!r})"
     if isinstance(bad, Path) and bad.is_dir():
         url = os.path.commonprefix([download.url for download in source.downloads]).rsplit("/", 1)[0] + "/"
         return f"delete the files in {bad} and run {run} to fetch the right ones, or download them from {url}"
@@ -473,7 +482,37 @@ def _missing_files(source: _DatasetSource, directory: Path) -> list[Path]:
     ]
 
 
-def load_dataset(name: str, data_dir: str | Path) -> ImageDataset:
+def dataset_folders(name: str, data_dir: str | Path | None) -> list[Path]:
+    """The folders :func:`load_dataset` looks in for dataset ``name``, in order: its usual folder names under
+    ``data_dir`` (none when ``data_dir`` is None), then where system packages install it."""
+    source = _source(name)
+    under = [Path(data_dir) / subdir for subdir in source.subdirs] if data_dir is not None else []
+    return [*(Path(os.path.normpath(folder)) for folder in under), *source.system_dirs]
+
+
+def _dataset_folder(name: str, data_dir: str | Path | None) -> Path:
+    """The first of :func:`dataset_folders` that holds every file the dataset needs. Raises
+    ``FileNotFoundError`` naming the places looked at, the files missing, and how to get them."""
+    source = _source(name)
+    folders = dataset_folders(name, data_dir)
+    for folder in folders:
+        if not _missing_files(source, folder):
+            return folder
+    partial = [folder for folder in folders if len(_missing_files(source, folder)) < len(source.required_files)]
+    target = partial[0] if partial else (folders[0] if data_dir is not None else Path("DATA_DIR") / source.subdirs[0])
+    looked = "\n".join(f"  {folder}" for folder in folders) or "  (no data directory given)"
+    fetch = (f"Run foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet access, "
+             "or by hand:" if data_dir is not None else "Name a data directory (scenario.data_dir), and put there:")
+    where = f"{target} is incomplete; missing files" if partial else "missing files (where the first place wants them)"
+    message = (
+        f"dataset {name!r} was not found; looked in:\n{looked}\n{where}:\n"
+        + "\n".join(f"  {path}" for path in _missing_files(source, target))
+        + f"\n{fetch}\n{_fetch_instructions(source, target)}"
+    )
+    raise FileNotFoundError(message)
+
+
+def load_dataset(name: str, data_dir: str | Path | None) -> ImageDataset:
     """Load dataset ``name`` (one of :data:`DATASET_NAMES`) from ``data_dir`` (layout: module docstring).
 
     ``"mnist"`` returns the embedded MD5-verified copy and ignores ``data_dir``. Raises ``FileNotFoundError``
@@ -491,15 +530,7 @@ def load_dataset(name: str, data_dir: str | Path) -> ImageDataset:
             test_labels=mnist.test_labels,
         )
     source = _source(name)
-    directory = Path(data_dir) / source.subdir
-    missing = _missing_files(source, directory)
-    if missing:
-        raise FileNotFoundError(
-            f"dataset {name!r} is incomplete; missing files:\n"
-            + "\n".join(f"  {path}" for path in missing)
-            + f"\nRun foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet "
-            f"access, or by hand:\n{_fetch_instructions(source, directory)}"
-        )
+    directory = _dataset_folder(name, data_dir)
     try:
         train_images, train_labels, test_images, test_labels = source.read(directory)
     except DataFileError as error:
@@ -549,7 +580,7 @@ def download_dataset(name: str, data_dir: str | Path) -> Path:
     if name == "mnist":
         return Path(data_dir)
     source = _source(name)
-    directory = Path(data_dir) / source.subdir
+    directory = Path(data_dir) / source.subdirs[0]
     if not _missing_files(source, directory):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
