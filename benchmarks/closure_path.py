@@ -53,9 +53,11 @@ def main() -> None:
     print(f"| diagonal floor: bare loop, antithetic | | {floor:.2f} | {floor / sgd:.1f} | | | |")
 
 
-def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int) -> float:
-    """The diagonal K-sample step reduced to what it cannot avoid (module docstring)."""
-    model = mlp()
+def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int,
+                          model: torch.nn.Module | None = None) -> float:
+    """The diagonal K-sample step reduced to what it cannot avoid (module docstring), on `model` (default: the
+    784-100-100-10 MLP)."""
+    model = mlp() if model is None else model
     params = list(model.parameters())
     means = [p.detach().clone() for p in params]
     stds = [torch.full_like(p, 0.047) for p in params]

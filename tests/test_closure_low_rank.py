@@ -24,13 +24,13 @@ ROWS = 8  # fewer than every layer's inputs + 1: the low-rank route applies to a
 
 
 class Net(nn.Module):
-    """12-16-16-3 MLP; `twice`: the middle layer is applied twice (shared weights); `unused`: a layer that the
+    """12-16-16-3 MLP (`width` for 16); `twice`: the middle layer is applied twice (shared weights); `unused`: a layer that the
     forward never calls."""
 
-    def __init__(self, twice: bool = False, unused: bool = False):
+    def __init__(self, twice: bool = False, unused: bool = False, width: int = 16):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)
-        self.unused = nn.Linear(16, 16) if unused else None
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, width), nn.Linear(width, width), nn.Linear(width, 3)
+        self.unused = nn.Linear(width, width) if unused else None
         self.twice = twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +257,25 @@ def test_deferred_sampling_equals_forming_every_sample(closure_of, net, first_fo
     assert_same(deferred, run_step(False, closure_of, antithetic=antithetic, defer=False, loss_reduction=reduction,
                                    **net))
     assert (loads["fc1"] > 0) == first_formed
-    assert loads["fc2"] == loads["fc3"] == 4  # their inputs need gradients: formed for each of the K samples
+    # 8 rows into 16 -> 16: forming W (p n (p + n) flops) is cheaper than the factored form with the input's gradient
+    assert loads["fc2"] == loads["fc3"] == 4
+
+
+@pytest.mark.parametrize(("closure_of", "redone"), [(summed, False), (mean_loss, False), (clipped, False),
+                                                    (weight_penalty, False), (input_gradient_penalty, True)])
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_a_wide_inner_layer_is_factored_with_its_inputs_gradient(closure_of, redone, antithetic):
+    """8 rows into a 64 -> 64 layer: fc2's output and its input's gradient Delta W come in factored form (issue 39:
+    the LeNet's 1250 -> 500 layer), giving the statistics and posterior of forming every sample. A backward that
+    builds a graph through it (a gradient penalty on the input) would miss W's part of that graph: the first
+    sample stops there and the step is redone with every sample formed."""
+    loads = Counter()
+    reduction = "sum" if closure_of in (weight_penalty, input_gradient_penalty) else "auto"
+    deferred = run_step(False, closure_of, antithetic=antithetic, loads=loads, loss_reduction=reduction, width=64)
+    assert_same(deferred, run_step(False, closure_of, antithetic=antithetic, defer=False, loss_reduction=reduction,
+                                   width=64))
+    assert loads["fc2"] == (4 if redone else 0)
+    assert loads["fc3"] == 4 + int(redone)  # 64 -> 3: forming it is cheaper (in the stopped first sample too)
 
 
 def test_values_read_in_the_closure_are_the_samples():

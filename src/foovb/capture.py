@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .posteriors import KroneckerBlock, full_precision
-from .sampled import augmented_input
+from .sampled import augmented_input, cached_augmented_input
 
 __all__ = ["LinearCapture", "UnseenUse"]
 
@@ -56,22 +56,30 @@ class UnseenUse(RuntimeError):
 class _FactoredLinear(torch.autograd.Function):
     """F.linear(X, W, b) of a sampled matrix-variate layer without forming W = M + B Phi A^T: the output is
     X_aug M^T + (X_aug A Phi^T) B^T (as in `SampledNetwork`), and backward gives the weight and bias F.linear's
-    gradients, Delta^T X and the column sums of Delta. X must not need a gradient."""
+    gradients, Delta^T X and the column sums of Delta, and, where X needs one (a layer inside the network), X's,
+    Delta W[:, :n_in] = Delta M[:, :n_in] + ((Delta B) Phi) A[:n_in]^T, also without forming W."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, mean_out: Tensor, noise_pre: Tensor,  # noqa: ANN001
-                output_sqrt_cov: Tensor, given: list) -> Tensor:
+                output_sqrt_cov: Tensor, given: list, input_factors: tuple[Tensor, Tensor, Tensor] | None) -> Tensor:
         ctx.save_for_backward(x)
-        ctx.has_bias, ctx.given = bias is not None, given
+        ctx.has_bias, ctx.given, ctx.output_sqrt_cov, ctx.input_factors = (bias is not None, given, output_sqrt_cov,
+                                                                            input_factors)
         return torch.addmm(mean_out, noise_pre, output_sqrt_cov.T)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:  # noqa: ANN001
+        if torch.is_grad_enabled():  # backward(create_graph=True): the graph of this backward would miss W
+            raise UnseenUse("a backward pass that builds a graph (a gradient penalty) through a deferred weight")
         (x,) = ctx.saved_tensors
         grads = [grad.T @ x] + ([grad.sum(0)] if ctx.has_bias else [])
         # what the parameters' .grad must equal if nothing else used them (summed over backward passes)
         ctx.given[:] = grads if not ctx.given else [a + b for a, b in zip(ctx.given, grads, strict=True)]
-        return None, grads[0], grads[1] if ctx.has_bias else None, None, None, None, None
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # (input_factors: M[:, :n_in], Phi, A[:n_in])
+            mean_weight, noise, input_sqrt_cov = ctx.input_factors
+            grad_x = torch.addmm(grad @ mean_weight, (grad @ ctx.output_sqrt_cov) @ noise, input_sqrt_cov.T)
+        return grad_x, grads[0], grads[1] if ctx.has_bias else None, None, None, None, None, None
 
 
 class _Captured:
@@ -105,9 +113,10 @@ class LinearCapture(TorchFunctionMode):
 
     Deferred sampling (`noises`, the blocks' noise of this sample): those blocks' sampled weights W = M + B Phi
     A^T are not loaded before the closure runs (forming W costs p n (p + n) flops, several forward passes for a
-    wide input); their parameters hold NaN instead. The first F.linear on such a weight whose input needs no
-    gradient (the batch: the first layer) is evaluated in factored form, X_aug M^T + (X_aug A Phi^T) B^T,
-    reusing the step's X_aug A (`caches`, the same that the statistics use); any other use of the weight or bias
+    wide input); their parameters hold NaN instead. The first F.linear on such a weight is evaluated in factored
+    form, X_aug M^T + (X_aug A Phi^T) B^T, where that is cheaper (`_factorable`), reusing the step's X_aug A for
+    the batch (`caches`, the same that the statistics use), and its input's gradient, if it needs one, without W
+    either; a backward pass that builds a graph through it raises `UnseenUse`. Any other use of the weight or bias
     that the mode sees (including .data and .detach()) loads W first. A read the mode cannot see (another
     thread, a backward hook, checkpoint recomputation during backward, torch.func's wrapped parameters) reads
     NaN: `check_seen` raises `UnseenUse` when the loss or a gradient is not finite, or when a still-deferred
@@ -208,17 +217,26 @@ class LinearCapture(TorchFunctionMode):
         return y
 
     def _factorable(self, block: KroneckerBlock, x: Tensor, weight: Tensor) -> bool:
-        """The factored form gives this call's output and the parameters' gradients: a plain float input that
-        needs no gradient, in the posterior's dtype and device, outside autocast; and it is cheaper: the input is
-        the one whose X_aug A the step has (the batch, from the previous sample) or has at most p rows."""
-        if (x.requires_grad or not weight.requires_grad or not torch.is_grad_enabled()
+        """The factored form gives this call's output and the gradients: a plain float input in the posterior's
+        dtype and device, outside autocast; and it is cheaper than forming W: the input is the one whose X_aug A
+        the step has (the batch, from the previous sample), or the flops of the factored forward (and of its
+        input's gradient) are fewer than forming W = M + B Phi A^T (p n (p + n)) and using it."""
+        if (not weight.requires_grad or not torch.is_grad_enabled()
                 or x.dtype != block.state["mean"].dtype or x.device != block.state["mean"].device
                 or any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))):
             return False
-        products = self.caches.get(block, ({}, {}))[1]
-        cached = products.get("x_aug")
-        rows = x.reshape(-1, block.in_features)
-        return (cached is not None and cached.shape[0] == rows.shape[0]) or rows.shape[0] <= block.out_features
+        rows = x.detach().reshape(-1, block.in_features)
+        inputs, products = self.caches.get(block, ({}, {}))
+        x_aug = cached_augmented_input(block, rows, inputs)
+        if x_aug is not None and products.get("x_aug") is x_aug:
+            return True  # X_aug A and X_aug M^T are at hand
+        r, (p, n) = rows.shape[0], block.state["mean"].shape
+        factored = r * n * (n + p) + r * p * p  # X_aug A, then (X_aug A) Phi^T, then B^T (X_aug M^T: r n p)
+        formed = p * n * (p + n)
+        if x.requires_grad:  # Delta M + ((Delta B) Phi) A^T against Delta W
+            factored += r * p * n + r * p * p + r * p * n + r * n * n
+            formed += r * p * n
+        return factored < formed
 
     def _factored(self, block: KroneckerBlock, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         rows = x.detach().reshape(-1, block.in_features)
@@ -232,9 +250,12 @@ class LinearCapture(TorchFunctionMode):
             n_in = block.in_features
             products["mean_out"] = F.linear(rows, mean[:, :n_in], mean[:, n_in] if block.has_bias else None)
         captured = self.captured[block]
-        captured.noise_pre = products["x_a"] @ self.noises[block][0].T  # X_aug A Phi^T (r, p)
-        y = _FactoredLinear.apply(rows, weight, bias, products["mean_out"], captured.noise_pre,
-                                  block.state["output_sqrt_cov"], captured.factored_grads)
+        noise = self.noises[block][0]
+        captured.noise_pre = products["x_a"] @ noise.T  # X_aug A Phi^T (r, p)
+        n_in = block.in_features
+        input_factors = (mean[:, :n_in], noise, block.state["input_sqrt_cov"][:n_in]) if x.requires_grad else None
+        y = _FactoredLinear.apply(x.reshape(-1, n_in), weight, bias, products["mean_out"], captured.noise_pre,
+                                  block.state["output_sqrt_cov"], captured.factored_grads, input_factors)
         return y.reshape(*x.shape[:-1], block.out_features)
 
     def check_seen(self, loss: float, params: Sequence[Tensor]) -> None:

@@ -194,13 +194,22 @@ def augmented_input(block: KroneckerBlock, x: Tensor, cache: dict, *, keep_one: 
     (x[:, :n] and x[:, ::2] share address and shape), and a hit is checked by value: an input recomputed later
     may reuse a freed address (the cache does not keep inputs alive). `keep_one`: a miss empties the cache first
     (it then holds the latest input only)."""
-    key = (x.data_ptr(), tuple(x.shape), x.stride(), block.has_bias)
-    x_aug = cache.get(key)
-    if x_aug is None or not torch.equal(x_aug[..., : x.shape[-1]], x):
+    x_aug = cached_augmented_input(block, x, cache)
+    if x_aug is None:
         if keep_one:
             cache.clear()
-        x_aug = cache[key] = block.augment(x)
+        x_aug = cache[_input_key(block, x)] = block.augment(x)
     return x_aug
+
+
+def _input_key(block: KroneckerBlock, x: Tensor) -> tuple:
+    return x.data_ptr(), tuple(x.shape), x.stride(), block.has_bias
+
+
+def cached_augmented_input(block: KroneckerBlock, x: Tensor, cache: dict) -> Tensor | None:
+    """The X_aug that `augmented_input` cached for this input, or None."""
+    x_aug = cache.get(_input_key(block, x))
+    return x_aug if x_aug is not None and torch.equal(x_aug[..., : x.shape[-1]], x) else None
 
 class SampledNetwork:
     """Context manager: inside it, `model(x)` returns the outputs of c sampled networks, stacked (c * r, ...).
