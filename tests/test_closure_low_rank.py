@@ -24,8 +24,8 @@ ROWS = 8  # fewer than every layer's inputs + 1: the low-rank route applies to a
 
 
 class Net(nn.Module):
-    """12-16-16-3 MLP (`width` for 16); `twice`: the middle layer is applied twice (shared weights); `unused`: a layer that the
-    forward never calls."""
+    """12-16-16-3 MLP (`width` for 16); `twice`: the middle layer is applied twice (shared weights); `unused`: a
+    layer that the forward never calls."""
 
     def __init__(self, twice: bool = False, unused: bool = False, width: int = 16):
         super().__init__()

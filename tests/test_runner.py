@@ -13,7 +13,7 @@ import yaml
 
 from foovb_suite import metrics, plots, runner
 from foovb_suite.cli import main
-from foovb_suite.config import ConfigError, apply_overrides, config_from_dict, load_config
+from foovb_suite.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config
 from foovb_suite.runner import experiment_key, load_run, resolve_device, run, tasks_seen
 
 QUICK = {
@@ -117,7 +117,6 @@ def _crash_at(monkeypatch, iteration: int) -> None:
         ({"scenario.seed": -1}, "scenario.seed: must be non-negative"),
         ({"threads": 0}, "threads: must be a positive integer"),
         ({"threads": -2}, "threads: must be a positive integer"),
-        ({"scenario.kind": "vision_mix", "scenario.train_subset": "null"}, "scenario.data_dir: the vision mix needs"),
     ],
 )
 def test_bad_config_names_the_key(change: dict, key: str) -> None:
@@ -561,3 +560,27 @@ def test_every_shipped_config_is_valid() -> None:
     for path in configs:
         config = load_config(path)
         assert config.name == path.stem or path.stem == "demo", path
+
+
+def test_vision_mix_task_agnostic_and_subset_end_to_end(tmp_path, monkeypatch) -> None:
+    """The task-agnostic vision mix (issue 39): one 10-way head shared by the datasets, no task id for the learner
+    or at evaluation; `train_subset` trains on the first N images of each dataset; its joint oracle runs."""
+    tasks = _spy_on_observe(monkeypatch)
+    for name, seed in (("fashion_mnist", 1), ("notmnist", 2)):
+        _write_learnable_idx_dataset(tmp_path / "data" / name, seed)
+    scenario = {"kind": "vision_mix", "num_tasks": 2, "epochs_per_task": 4, "batch_size": 16, "train_subset": 64,
+                "task_agnostic": True, "data_dir": str(tmp_path / "data"), "datasets": ["fashion_mnist", "notmnist"]}
+    config = config_from_dict({"name": "vision", "scenario": scenario, "model": {"kind": "lenet"},
+                               "learner": {"kind": "sgd", "params": {"lr": 0.05}}})
+    learner = runner.build_learner(config, runner.build_scenario(config), torch.device("cpu"))
+    assert learner.model[-1].out_features == 10  # one shared head (task-aware: 2 heads, 20 outputs)
+    summary = run(config, tmp_path / "run", progress=False)
+    assert tasks == [None] * 32  # 64 of the 96 images, 4 epochs of 4 batches, per dataset
+    assert summary["iterations"] == 32 and summary["modes"]["mean"]["average_accuracy"] > 0.3
+    joint = config_from_dict({**config_to_dict(config), "scenario": {**scenario, "joint": True}})
+    assert run(joint, tmp_path / "joint", progress=False)["modes"]["mean"]["average_accuracy"] > 0.3
+    with pytest.raises(ConfigError, match="task_agnostic"):
+        config_from_dict({"scenario": {**scenario, "task_agnostic": False, "joint": True}, "model": {"kind": "lenet"}})
+    with pytest.raises(ValueError, match=r"train_subset must be in \[1, 96\]"):
+        runner.build_scenario(config_from_dict({**config_to_dict(config),
+                                                "scenario": {**scenario, "train_subset": 97}}))

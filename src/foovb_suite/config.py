@@ -33,10 +33,11 @@ SCENARIO_KEYS = {
     "max_angle": ("rotated_mnist",),
     "pad_to_32": MNIST_STREAMS,
     "normalization": MNIST_STREAMS,
-    "train_subset": ("discrete_permuted_mnist",),
+    "train_subset": ("discrete_permuted_mnist", "vision_mix"),
     "eval_every": CONTINUOUS,
     "data_dir": ("vision_mix",),
     "datasets": ("vision_mix",),
+    "task_agnostic": ("vision_mix",),
 }
 
 
@@ -76,9 +77,10 @@ class ScenarioConfig:
     batch_size: int = 128
     pad_to_32: bool = False
     normalization: str = "standard"  # permuted MNIST inputs: "standard" (zero mean, unit variance), "none" ([0,1])
-    train_subset: int | None = None  # first N training images (quick runs)
+    train_subset: int | None = None  # first N training images (of each dataset, vision mix; quick runs)
     eval_every: int | None = None  # continuous: evaluate every N iterations (default: once per task period)
     joint: bool = False  # the joint-training oracle: all tasks mixed
+    task_agnostic: bool = False  # vision mix: no task labels, one 10-way head shared by the datasets
     data_dir: str | None = None  # vision mix: where its datasets are (also looked for where system packages put them)
     datasets: list[str] = field(default_factory=lambda: ["mnist", "notmnist", "fashion_mnist", "svhn", "cifar10"])
     seed: int = 0
@@ -199,9 +201,9 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"scenario.max_angle: must be in (0, 360] degrees, got {s.max_angle}")
     if s.kind == "split_mnist" and s.num_tasks > 5:
         raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
-    if s.kind == "vision_mix" and s.joint:
+    if s.kind == "vision_mix" and s.joint and not s.task_agnostic:
         raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
-                          "(not supported)")
+                          "(not supported; it is for task_agnostic: true)")
     if config.model.kind not in ("mlp", "lenet"):
         raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
     if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:

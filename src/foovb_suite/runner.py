@@ -64,7 +64,8 @@ def build_scenario(config: Config):
 
     s = config.scenario
     if s.kind == "vision_mix":
-        scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed)
+        scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed,
+                             s.train_subset, s.task_agnostic)
     elif s.kind == "rotated_mnist":
         images = PermutedMNIST(1, s.seed, s.pad_to_32, s.normalization)
         scenario = RotatedMNIST(images, s.num_tasks, s.iterations_per_task, s.batch_size, s.max_angle, s.seed,

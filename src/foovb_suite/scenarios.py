@@ -499,12 +499,13 @@ class VisionMix(_SequentialTaskStream):
     Every image becomes 3x32x32: grayscale is zero-padded 28 -> 32 (centred) and replicated to 3 channels.
     Each dataset is normalised to zero mean and unit variance per channel, with statistics of its own
     (converted) training set. ``Batch.task`` is the dataset index, which the runner gives to the task-aware
-    (multi-head) learners. ``datasets`` holds names for :func:`foovb_suite.data.load_dataset` (read from
-    ``data_dir`` and the places system packages install them; :func:`foovb_suite.data.dataset_folders`) or
-    already loaded :class:`ImageDataset` objects.
+    (multi-head) learners. ``task_agnostic``: the learner is not told the task and predicts with one 10-way
+    head shared by all datasets (the harder setting). ``train_subset``: train on the first N training images of
+    each dataset (a reduced scale; the test sets stay whole). ``datasets`` holds names for
+    :func:`foovb_suite.data.load_dataset` (read from ``data_dir`` and the places system packages install them;
+    :func:`foovb_suite.data.dataset_folders`) or already loaded :class:`ImageDataset` objects.
     """
 
-    task_aware = True
     input_shape = _VISION_MIX_SHAPE
 
     def __init__(
@@ -514,18 +515,24 @@ class VisionMix(_SequentialTaskStream):
         epochs_per_task: int = 20,
         batch_size: int = 64,
         seed: int = 0,
+        train_subset: int | None = None,
+        task_agnostic: bool = False,
     ) -> None:
         loaded = [
             load_dataset(dataset, data_dir) if isinstance(dataset, str) else dataset for dataset in datasets
         ]
         if not loaded:
             raise ValueError("VisionMix needs at least one dataset")
+        smallest = min(len(dataset.train_labels) for dataset in loaded)
+        if train_subset is not None and not 1 <= train_subset <= smallest:
+            raise ValueError(f"train_subset must be in [1, {smallest}] (the smallest training set), got {train_subset}")
+        self.task_aware = not task_agnostic
         self.dataset_names = tuple(dataset.name for dataset in loaded)
         self.num_classes = max(dataset.num_classes for dataset in loaded)
-        self._train_images = [_pad_to_32(dataset.train_images, dataset.name) for dataset in loaded]
+        self._train_images = [_pad_to_32(dataset.train_images[:train_subset], dataset.name) for dataset in loaded]
         """uint8 (N, C, 32, 32) per dataset, C = 1 or 3 (grayscale is replicated only when normalising)"""
         self._test_images = [_pad_to_32(dataset.test_images, dataset.name) for dataset in loaded]
-        self._train_labels = [dataset.train_labels for dataset in loaded]
+        self._train_labels = [dataset.train_labels[:train_subset] for dataset in loaded]
         self._test_labels = [dataset.test_labels for dataset in loaded]
         self.channel_statistics = [
             _channel_statistics(images, name)
