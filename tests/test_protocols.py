@@ -34,7 +34,7 @@ def benchmarks() -> dict[str, list[Path]]:
 
 def test_the_benchmarks_are_the_suites_scenarios() -> None:
     assert set(benchmarks()) == {"discrete_pmnist", "continuous_pmnist", "split_mnist", "mesu_protocol",
-                                 "rotated_mnist", "vision_mix"}
+                                 "rotated_mnist", "vision_mix", "mnist_fashion"}
 
 
 @pytest.mark.parametrize("suite_benchmark", sorted(benchmarks()))
