@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from conftest import mlp
 
 from foovb import FOOVB
@@ -36,3 +37,30 @@ def test_foovb_refuses_boolean_real_hyperparameters(name):
 def test_baselines_refuse_boolean_and_nan_hyperparameters(name, parameter, value):
     with pytest.raises(ValueError, match=parameter):
         make_baseline(name, mlp(), **{parameter: value})
+
+
+@pytest.mark.parametrize("posterior", ["kronecker", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_are_refused_where_covariance_factors_live_in_them(posterior, dtype):
+    """Issue 39: with bfloat16 parameters the matrix-variate factors A, B were bfloat16 too (their updates round
+    away; the step ran 18x slower on CPU). The error names the fix: float32 parameters under torch.autocast."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).to(dtype)
+    with pytest.raises(ValueError, match=r"module '0' has torch\.\w*16 parameters.*torch\.autocast"):
+        FOOVB(model, posterior, mc_samples=2)
+
+
+def test_half_precision_parameters_keep_the_diagonal_family_and_float32_works_under_autocast():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    FOOVB(model.to(torch.bfloat16), "diagonal", mc_samples=2)  # elementwise state: as torch's optimizers do
+    model = model.float()
+    opt = FOOVB(model, "kronecker", mc_samples=2, seed=0)
+    x, y = torch.randn(4, 6), torch.randint(3, (4,))
+
+    def closure():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert all(value.dtype == torch.float32 for block in opt.blocks for value in block.state.values())

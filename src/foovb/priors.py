@@ -80,6 +80,18 @@ def alpha_init(model: nn.Module, generator: torch.Generator, alpha: float) -> di
             layer_std[id(module)] = math.sqrt(2 * (1 - alpha) / (fan_in + 2))
     return layer_std
 
+def check_factor_dtype(name: str, dtype: torch.dtype, posterior: str) -> None:
+    """The matrix-variate and full families keep covariance square roots in the parameters' dtype: refuse half
+    precision, where the updates of those factors round away and their products are slow on CPU."""
+    if dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"module {name!r} has {dtype} parameters: the {posterior} posterior keeps its covariance square roots "
+            f"in the parameters' dtype, where the fixed-point updates round away (8 bits of mantissa for bfloat16, "
+            f"11 for float16) and its matrix products run ~18x slower on CPU (measured, bfloat16). Keep the model "
+            "in float32 and run the forward and backward under torch.autocast(..., dtype=torch.bfloat16), which "
+            "FOOVB supports, or use posterior='diagonal'")
+
+
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
                 layer_std: dict[int, float]) -> list[PosteriorBlock]:
     """One posterior block per trainable tensor (diagonal), per nn.Linear / nn.Conv2d (kronecker; other
@@ -98,6 +110,8 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                              "not supported: each parameter needs one posterior)")
         seen.update(id(p) for p in direct)
         module_std = layer_std.get(id(module))  # init="alpha": one prior std per layer
+        if posterior != "diagonal":
+            check_factor_dtype(name, direct[0].dtype, posterior)
         if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
                 and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
                 and all(p is module.weight or p is module.bias for p in direct)
