@@ -138,6 +138,7 @@ class LinearCapture(TorchFunctionMode):
                     p.fill_(math.nan)  # a read of a deferred weight that the mode does not see must not pass
         self.caches = caches if caches is not None else {}  # block -> (X_aug cache, {x_aug, x_a, mean_out})
         self.unsafe = False  # a backward pass that .grad does not see as Delta^T X: every block falls back
+        self.compiled = False  # the closure ran torch.compile'd code (unsafe too)
         self.handles = []
         for block in blocks:
             if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in block.params):
@@ -169,7 +170,7 @@ class LinearCapture(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # traced by torch.compile: no hooks in the graph, the dense gradients
-            self.unsafe = True
+            self.unsafe = self.compiled = True
         elif func is torch.autograd.grad:
             self.unsafe = True
         elif func is Tensor.backward or func is torch.autograd.backward:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -237,6 +238,12 @@ class Step:
                 self.grad_scale = spy.scale(opt.loss_reduction, self.batch_size)
             self.running.record()
             self.losses.append(sample.loss if reports_loss else spy.loss)
+            if capture is not None and capture.compiled:  # shown once per process (Python's default filter)
+                warnings.warn(
+                    "FOOVB: the closure ran the matrix-variate nn.Linear layers in torch.compile'd code, where their "
+                    "output errors cannot be captured: their statistics fall back to the dense gradients and the "
+                    "dense fixed-point solve, 3-4x slower steps on the paper's MLP (docs/performance.md). Run the "
+                    "model eagerly (the update is the same)", stacklevel=4)
             with full_precision():
                 for block in self.blocks:
                     if capture is not None and self._accumulate_captured(capture, block, self, noises[block]):

@@ -204,6 +204,30 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows")
 
 
+_ACTIVE_SPIES: list[LossSpy] = []  # the spies of the steps running now (a step inside a step's closure: two)
+_MODULE_HOOKS: list = []
+
+
+def _install_module_hooks() -> None:
+    """Global module hooks, registered once per process, that tell the active spies of every module call: the
+    closure may call the model or only its submodules (Lightning's self.net(x)). Registered once, not per step:
+    torch.compile guards on the global hooks, and a new hook every step recompiled the user's compiled model at
+    every step (10x slower steps). With no active spy they return at once."""
+    if not _MODULE_HOOKS:
+        _MODULE_HOOKS.extend([nn.modules.module.register_module_forward_pre_hook(_enter_module),
+                              nn.modules.module.register_module_forward_hook(_leave_module)])
+
+
+def _enter_module(module: nn.Module, args: tuple) -> None:
+    for spy in _ACTIVE_SPIES:
+        spy.enter_module(module, args)
+
+
+def _leave_module(module: nn.Module, args: tuple, output: object) -> None:
+    for spy in _ACTIVE_SPIES:
+        spy.leave_module(module)
+
+
 class LossSpy(TorchFunctionMode):
     """Reads `loss_reduction_of` every tensor that backward() is called on (before the graph is freed), and the
     leading size of the model's tensor inputs. The closure's returned loss cannot serve: Lightning returns a
@@ -216,20 +240,17 @@ class LossSpy(TorchFunctionMode):
         self.losses: list[float] = []
         self.rows: set[int] = set()  # leading sizes of the inputs of the outermost calls into the model
         self._depth = 0
-        self._hooks: list = []
 
     def __enter__(self) -> LossSpy:
-        # global hooks: the closure may call the model or only its submodules (Lightning's self.net(x))
-        self._hooks = [nn.modules.module.register_module_forward_pre_hook(self._enter_module),
-                       nn.modules.module.register_module_forward_hook(self._leave_module)]
+        _install_module_hooks()
+        _ACTIVE_SPIES.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        _ACTIVE_SPIES.remove(self)
         super().__exit__(*exc)
 
-    def _enter_module(self, module: nn.Module, args: tuple) -> None:
+    def enter_module(self, module: nn.Module, args: tuple) -> None:
         if id(module) not in self.modules:
             return
         if self._depth == 0:
@@ -238,7 +259,7 @@ class LossSpy(TorchFunctionMode):
                 self.rows.add(first.shape[0])
         self._depth += 1
 
-    def _leave_module(self, module: nn.Module, args: tuple, output: object) -> None:
+    def leave_module(self, module: nn.Module) -> None:
         if id(module) in self.modules:
             self._depth -= 1
 
