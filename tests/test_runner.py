@@ -147,7 +147,8 @@ def test_a_set_value_keeps_its_equals_signs(tmp_path) -> None:
         ([*(f"{k}={v}" for k, v in CONTINUOUS.items()), "scenario.eval_every=0"], "scenario.eval_every"),
         (["scenario.seed=-1"], "scenario.seed"),
         (["threads=0"], "threads"),
-        (["scenario.kind=vision_mix", "scenario.train_subset=null"], "scenario.data_dir"),
+        (["scenario.kind=vision_mix", "scenario.train_subset=null", "scenario.task_agnostic=maybe"],
+         "scenario.task_agnostic"),
     ],
 )
 def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, key) -> None:
@@ -156,6 +157,18 @@ def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, key)
     sets = [arg for item in overrides for arg in ("--set", item)]
     assert main(["run", str(config), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     assert f"foovb: error: {key}: " in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_names_a_missing_dataset_in_one_line_before_writing(tmp_path, capsys) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(quick()))
+    sets = ["--set", "scenario.kind=vision_mix", "--set", "scenario.train_subset=null", "--set",
+            f"scenario.data_dir={tmp_path / 'data'}", "--set", "scenario.num_tasks=2"]
+    assert main(["run", str(config), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foovb: error: dataset 'notmnist' was not found; looked in: ") and err.count("\n") == 1
+    assert str(tmp_path / "data" / "notmnist") in err
     assert not (tmp_path / "r").exists()
 
 
