@@ -205,8 +205,9 @@ class LinearCapture(TorchFunctionMode):
         own = (weight is block.params[0] and bias is (block.params[1] if block.has_bias else None)
                and captured.uses == 1 and x.shape[-1] == block.in_features)
         if block in self.unloaded:
-            if own and self._factorable(block, x, weight):
-                y = self._factored(block, x, weight, bias)
+            factorable, x_aug = self._factorable(block, x, weight) if own else (False, None)
+            if factorable:
+                y = self._factored(block, x, weight, bias, x_aug)
             else:
                 self._load(block)
                 y = func(*args, **kwargs)
@@ -217,43 +218,46 @@ class LinearCapture(TorchFunctionMode):
             self.handles.append(y.register_hook(self._save_delta(captured)))
         return y
 
-    def _factorable(self, block: KroneckerBlock, x: Tensor, weight: Tensor) -> bool:
-        """The factored form gives this call's output and the gradients: a plain float input in the posterior's
-        dtype and device, outside autocast; and it is cheaper than forming W: the input is the one whose X_aug A
-        the step has (the batch, from the previous sample), or the flops of the factored forward (and of its
-        input's gradient) are fewer than forming W = M + B Phi A^T (p n (p + n)) and using it."""
+    def _factorable(self, block: KroneckerBlock, x: Tensor, weight: Tensor) -> tuple[bool, Tensor | None]:
+        """Whether the factored form gives this call's output and the gradients: a plain float input in the
+        posterior's dtype and device, outside autocast; and it is cheaper than forming W: the input is the one whose
+        X_aug A the step has (the batch, from the previous sample; its X_aug is returned too), or the flops of the
+        factored forward (and of its input's gradient) are fewer than forming W = M + B Phi A^T (p n (p + n)) and
+        using it."""
         if (not weight.requires_grad or not torch.is_grad_enabled()
                 or x.dtype != block.state["mean"].dtype or x.device != block.state["mean"].device
                 or any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))):
-            return False
+            return False, None
         rows = x.detach().reshape(-1, block.in_features)
         inputs, products = self.caches.get(block, ({}, {}))
         x_aug = cached_augmented_input(block, rows, inputs)
         if x_aug is not None and products.get("x_aug") is x_aug:
-            return True  # X_aug A and X_aug M^T are at hand
+            return True, x_aug  # X_aug A and X_aug M^T are at hand
         r, (p, n) = rows.shape[0], block.state["mean"].shape
         factored = r * n * (n + p) + r * p * p  # X_aug A, then (X_aug A) Phi^T, then B^T (X_aug M^T: r n p)
         formed = p * n * (p + n)
         if x.requires_grad:  # Delta M + ((Delta B) Phi) A^T against Delta W
             factored += r * p * n + r * p * p + r * p * n + r * n * n
             formed += r * p * n
-        return factored < formed
+        return factored < formed, None
 
-    def _factored(self, block: KroneckerBlock, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        rows = x.detach().reshape(-1, block.in_features)
+    def _factored(self, block: KroneckerBlock, x: Tensor, weight: Tensor, bias: Tensor | None,
+                  x_aug: Tensor | None) -> Tensor:
+        """The factored F.linear; `x_aug`: the input's X_aug where `_factorable` found it cached."""
+        n_in = block.in_features
+        rows = x.detach().reshape(-1, n_in)
         inputs, products = self.caches.setdefault(block, ({}, {}))
-        x_aug = augmented_input(block, rows, inputs, keep_one=True)
+        if x_aug is None:
+            x_aug = augmented_input(block, rows, inputs, keep_one=True)
         if products.get("x_aug") is not x_aug:
             products.clear()
             products.update(x_aug=x_aug, x_a=block.input_times_a(rows))
         mean = block.state["mean"]
         if "mean_out" not in products:  # X_aug M^T: M is fixed during the step
-            n_in = block.in_features
             products["mean_out"] = F.linear(rows, mean[:, :n_in], mean[:, n_in] if block.has_bias else None)
         captured = self.captured[block]
         noise = self.noises[block][0]
         captured.noise_pre = products["x_a"] @ noise.T  # X_aug A Phi^T (r, p)
-        n_in = block.in_features
         input_factors = (mean[:, :n_in], noise, block.state["input_sqrt_cov"][:n_in]) if x.requires_grad else None
         y = _FactoredLinear.apply(x.reshape(-1, n_in), weight, bias, products["mean_out"], captured.noise_pre,
                                   block.state["output_sqrt_cov"], captured.factored_grads, input_factors)

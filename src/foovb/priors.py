@@ -80,6 +80,7 @@ def alpha_init(model: nn.Module, generator: torch.Generator, alpha: float) -> di
             layer_std[id(module)] = math.sqrt(2 * (1 - alpha) / (fan_in + 2))
     return layer_std
 
+
 def check_factor_dtype(name: str, dtype: torch.dtype, posterior: str) -> None:
     """The matrix-variate and full families keep covariance square roots in the parameters' dtype: refuse half
     precision, where the updates of those factors round away and their products are slow on CPU."""

@@ -211,6 +211,7 @@ def cached_augmented_input(block: KroneckerBlock, x: Tensor, cache: dict) -> Ten
     x_aug = cache.get(_input_key(block, x))
     return x_aug if x_aug is not None and torch.equal(x_aug[..., : x.shape[-1]], x) else None
 
+
 class SampledNetwork:
     """Context manager: inside it, `model(x)` returns the outputs of c sampled networks, stacked (c * r, ...).
 

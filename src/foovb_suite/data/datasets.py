@@ -494,19 +494,20 @@ def _dataset_folder(name: str, data_dir: str | Path | None) -> Path:
     """The first of :func:`dataset_folders` that holds every file the dataset needs. Raises
     ``FileNotFoundError`` naming the places looked at, the files missing, and how to get them."""
     source = _source(name)
-    folders = dataset_folders(name, data_dir)
-    for folder in folders:
-        if not _missing_files(source, folder):
+    missing = {folder: _missing_files(source, folder) for folder in dataset_folders(name, data_dir)}
+    for folder, files in missing.items():
+        if not files:
             return folder
-    partial = [folder for folder in folders if len(_missing_files(source, folder)) < len(source.required_files)]
-    target = partial[0] if partial else (folders[0] if data_dir is not None else Path("DATA_DIR") / source.subdirs[0])
-    looked = "\n".join(f"  {folder}" for folder in folders) or "  (no data directory given)"
+    partial = [folder for folder, files in missing.items() if len(files) < len(source.required_files)]
+    target = partial[0] if partial else (next(iter(missing)) if data_dir is not None
+                                         else Path("DATA_DIR") / source.subdirs[0])
+    looked = "\n".join(f"  {folder}" for folder in missing) or "  (no data directory given)"
     fetch = (f"Run foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet access, "
              "or by hand:" if data_dir is not None else "Name a data directory (scenario.data_dir), and put there:")
     where = f"{target} is incomplete; missing files" if partial else "missing files (where the first place wants them)"
     message = (
         f"dataset {name!r} was not found; looked in:\n{looked}\n{where}:\n"
-        + "\n".join(f"  {path}" for path in _missing_files(source, target))
+        + "\n".join(f"  {path}" for path in missing.get(target) or _missing_files(source, target))
         + f"\n{fetch}\n{_fetch_instructions(source, target)}"
     )
     raise FileNotFoundError(message)
