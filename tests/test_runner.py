@@ -102,8 +102,6 @@ def _crash_at(monkeypatch, iteration: int) -> None:
         ({"device": "gpu"}, "device"),
         ({"device": "cuda:x"}, "device"),
         ({"scenario.eval_every": 5}, "scenario.eval_every"),
-        ({"scenario.kind": "vision_mix", "scenario.data_dir": "d", "scenario.joint": "true",
-          "scenario.train_subset": "null"}, "scenario.joint"),
         ({"scenario.kind": "continuous_permuted_mnist", "scenario.train_subset": "null"}, "scenario.epochs_per_task"),
         ({"scenario.iterations_per_task": 10}, "scenario.iterations_per_task"),
         ({"scenario.datasets": "[mnist]"}, "scenario.datasets"),
@@ -577,7 +575,8 @@ def test_every_shipped_config_is_valid() -> None:
 
 def test_vision_mix_task_agnostic_and_subset_end_to_end(tmp_path, monkeypatch) -> None:
     """The task-agnostic vision mix (issue 39): one 10-way head shared by the datasets, no task id for the learner
-    or at evaluation; `train_subset` trains on the first N images of each dataset; its joint oracle runs."""
+    or at evaluation; `train_subset` trains on the first N images of each dataset; its joint oracle runs, and so
+    does the task-aware one (single-task batches)."""
     tasks = _spy_on_observe(monkeypatch)
     for name, seed in (("fashion_mnist", 1), ("notmnist", 2)):
         _write_learnable_idx_dataset(tmp_path / "data" / name, seed)
@@ -592,8 +591,11 @@ def test_vision_mix_task_agnostic_and_subset_end_to_end(tmp_path, monkeypatch) -
     assert summary["iterations"] == 32 and summary["modes"]["mean"]["average_accuracy"] > 0.3
     joint = config_from_dict({**config_to_dict(config), "scenario": {**scenario, "joint": True}})
     assert run(joint, tmp_path / "joint", progress=False)["modes"]["mean"]["average_accuracy"] > 0.3
-    with pytest.raises(ConfigError, match="task_agnostic"):
-        config_from_dict({"scenario": {**scenario, "task_agnostic": False, "joint": True}, "model": {"kind": "lenet"}})
+    tasks.clear()  # the task-aware joint oracle: single-task batches of both datasets, each with its task id
+    aware_joint = config_from_dict({**config_to_dict(config),
+                                    "scenario": {**scenario, "task_agnostic": False, "joint": True}})
+    assert run(aware_joint, tmp_path / "aware_joint", progress=False)["modes"]["mean"]["average_accuracy"] > 0.3
+    assert len(tasks) == 32 and sorted(set(tasks)) == [0, 1] and tasks[:16] != sorted(tasks[:16])
     with pytest.raises(ValueError, match=r"train_subset must be in \[1, 96\]"):
         runner.build_scenario(config_from_dict({**config_to_dict(config),
                                                 "scenario": {**scenario, "train_subset": 97}}))

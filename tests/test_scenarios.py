@@ -248,7 +248,7 @@ def small_vision_datasets() -> list[ImageDataset]:
     return [dataset("gray", (1, 28, 28), 50, 6), dataset("color", (3, 32, 32), 30, 4)]
 
 
-@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint", "rotated"])
+@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint", "vision_joint", "rotated"])
 def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
     def make(seed: int):
         if kind == "discrete":
@@ -259,6 +259,8 @@ def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
             return ContinuousPermutedMNIST(permuted_mnist, iterations_per_task=8, batch_size=32, seed=seed)
         if kind == "vision":
             return VisionMix(small_vision_datasets(), epochs_per_task=2, batch_size=16, seed=seed)
+        if kind == "vision_joint":
+            return JointStream(VisionMix(small_vision_datasets(), epochs_per_task=2, batch_size=16), seed=seed)
         if kind == "rotated":
             return RotatedMNIST(PermutedMNIST(num_tasks=1), num_tasks=2, iterations_per_task=4, batch_size=16,
                                 seed=seed)
@@ -466,6 +468,23 @@ def test_joint_stream_mixes_all_tasks_once_per_epoch(permuted_mnist, monkeypatch
     assert len(batches[0][1].task.unique()) == 3
     for (tasks, indices), (_, batch) in zip(calls, batches, strict=True):
         assert torch.equal(batch.x, permuted_mnist.train_batch(tasks, indices).x)
+
+
+def test_task_aware_joint_stream_keeps_each_batch_to_one_task_and_mixes_the_tasks(monkeypatch):
+    mix = VisionMix(small_vision_datasets(), epochs_per_task=2, batch_size=16)  # 50 and 30 training images
+    joint = JointStream(mix, seed=2)
+    assert joint.task_aware and joint.batches_per_epoch == 4 + 2
+    assert joint.num_iterations == mix.num_iterations == 12
+    calls = record_indices(monkeypatch, joint)
+    batches = list(joint.batches())
+    assert all(len(batch.task.unique()) == 1 for _, batch in batches)
+    for epoch in range(2):
+        epoch_calls = calls[6 * epoch : 6 * (epoch + 1)]
+        seen = [(int(tasks[0]), index) for tasks, indices in epoch_calls for index in indices.tolist()]
+        assert sorted(seen) == [(0, index) for index in range(50)] + [(1, index) for index in range(30)]
+        order = [int(tasks[0]) for tasks, _ in epoch_calls]
+        assert order != sorted(order)  # the tasks' batches are interleaved, not one task after the other
+    assert [indices.tolist() for _, indices in calls[:6]] != [indices.tolist() for _, indices in calls[6:]]
 
 
 def test_normalization_none_feeds_unit_pixels(permuted_mnist):

@@ -201,9 +201,6 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"scenario.max_angle: must be in (0, 360] degrees, got {s.max_angle}")
     if s.kind == "split_mnist" and s.num_tasks > 5:
         raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
-    if s.kind == "vision_mix" and s.joint and not s.task_agnostic:
-        raise ConfigError("scenario.joint: the joint oracle of the task-aware vision mix would mix heads in a batch "
-                          "(not supported; it is for task_agnostic: true)")
     if config.model.kind not in ("mlp", "lenet"):
         raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
     if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:

@@ -367,8 +367,8 @@ class _TrainingLoop:
         if self.scenario.task_aware:
             task = int(batch.task[0])
             if not bool((batch.task == task).all()):
-                raise ValueError("a task-aware learner got a batch mixing several tasks (e.g. the joint oracle of "
-                                 "the vision mix): per-sample task heads are not supported")
+                raise ValueError("a task-aware learner got a batch mixing several tasks: per-sample task heads are "
+                                 "not supported")
         try:
             loss = self.learner.observe(batch.x.to(self.device), batch.y.to(self.device), task)
         except FloatingPointError as error:  # the step was refused: the learner is as after `iteration` iterations

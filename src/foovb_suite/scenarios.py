@@ -587,7 +587,11 @@ def _channel_statistics(images: Tensor, name: str, chunk_size: int = 4096) -> tu
 class JointStream:
     """The joint-training oracle (the "Offline (oracle)" curve of the continuous experiment): the training
     data of all of ``scenario``'s tasks mixed together, reshuffled every epoch, for the same number of
-    iterations, batch size and evaluation points as ``scenario``."""
+    iterations, batch size and evaluation points as ``scenario``.
+
+    In a task-aware scenario (one head per task) every batch holds one task's images, as a multi-head learner
+    needs: each epoch cuts every task's shuffled images into batches and interleaves all the batches in a
+    random order, so the tasks are still learned together."""
 
     def __init__(self, scenario: Scenario, seed: int = 0) -> None:
         _check_seed(seed)
@@ -603,7 +607,10 @@ class JointStream:
         self.train_sizes = scenario.train_sizes
         self._task_offsets = torch.tensor([0, *accumulate(scenario.train_sizes)])
         self.pool_size = int(self._task_offsets[-1])
-        self.batches_per_epoch = math.ceil(self.pool_size / scenario.batch_size)
+        if self.task_aware:
+            self.batches_per_epoch = sum(math.ceil(size / scenario.batch_size) for size in self.train_sizes)
+        else:
+            self.batches_per_epoch = math.ceil(self.pool_size / scenario.batch_size)
 
     def test_set(self, task: int) -> tuple[Tensor, Tensor]:
         return self.scenario.test_set(task)
@@ -616,10 +623,19 @@ class JointStream:
         iteration = start_iteration
         while iteration < self.num_iterations:
             epoch, first_batch = divmod(iteration, self.batches_per_epoch)
-            order = torch.randperm(self.pool_size, generator=_generator(self.seed, _JOINT_SHUFFLE, epoch))
+            epoch_batches = self._epoch_batches(epoch)
             last_batch = min(self.batches_per_epoch, first_batch + self.num_iterations - iteration)
-            for position in range(first_batch, last_batch):
-                pool_indices = order[position * self.batch_size : (position + 1) * self.batch_size]
+            for pool_indices in epoch_batches[first_batch:last_batch]:
                 tasks = torch.bucketize(pool_indices, self._task_offsets[1:], right=True)
                 yield iteration, self.train_batch(tasks, pool_indices - self._task_offsets[tasks])
                 iteration += 1
+
+    def _epoch_batches(self, epoch: int) -> list[Tensor]:
+        """The pool indices of each batch of ``epoch``, in training order (see the class docstring)."""
+        generator = _generator(self.seed, _JOINT_SHUFFLE, epoch)
+        if not self.task_aware:
+            return list(torch.randperm(self.pool_size, generator=generator).split(self.batch_size))
+        batches = [(int(start) + torch.randperm(size, generator=generator)).split(self.batch_size)
+                   for start, size in zip(self._task_offsets[:-1], self.train_sizes, strict=True)]
+        flat = [batch for task_batches in batches for batch in task_batches]
+        return [flat[position] for position in torch.randperm(len(flat), generator=generator).tolist()]
