@@ -136,6 +136,33 @@ def test_sigterm_checkpoints_after_the_iteration_and_prints_the_resume_command(c
     assert _modes(out) == _modes(uninterrupted)
 
 
+def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypatch):
+    """A signal during the final plots stopped the process with summary.json written but plots missing."""
+    from foovb_suite import runner
+
+    drawn = []
+
+    def draw(kind: str):
+        def plot(*args, **kwargs):
+            if not drawn:
+                signal.raise_signal(signal.SIGTERM)
+            drawn.append(kind)
+        return plot
+
+    for kind in ("average_accuracy", "first_task_accuracy", "accuracy_matrix"):
+        monkeypatch.setattr(runner.plots, f"plot_{kind}", draw(kind))
+    def undeferred(signum, frame):
+        raise AssertionError("the SIGTERM was not deferred: it would have stopped the process")
+
+    handler = signal.signal(signal.SIGTERM, undeferred)  # stands for the default action, which ends pytest
+    try:
+        summary = run(config_from_dict(TINY), tmp_path / "r", progress=False)
+        assert signal.getsignal(signal.SIGTERM) is undeferred
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert drawn == ["average_accuracy", "first_task_accuracy", "accuracy_matrix"] * len(summary["modes"])
+
+
 def test_checkpoints_are_written_at_most_checkpoint_minutes_apart(tmp_path, monkeypatch):
     """Whatever checkpoint_every says, a SIGKILL loses at most checkpoint_minutes of work."""
     seen = []

@@ -485,16 +485,26 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
 
         bar = tqdm(total=scenario.num_iterations, initial=loop.start, desc=config.name, unit="it",
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 60.0)
-    try:
-        with _deferred_interrupt(enabled=not distributed_run) as interrupt_requested:
+    # the outputs are written inside the block too: a signal while they are written waits for them to be complete
+    with _deferred_interrupt(enabled=not distributed_run) as interrupt_requested:
+        try:
             stopped_at = loop.train(bar, stop_after, interrupt_requested)
-    finally:
-        if bar is not None:
-            bar.close()
-    if stopped_at is not None:
-        return {"interrupted_at": stopped_at}
-    records, stds, train_seconds, ends = loop.records, loop.stds, loop.train_seconds, loop.ends
-    summary = {
+        finally:
+            if bar is not None:
+                bar.close()
+        if stopped_at is not None:
+            return {"interrupted_at": stopped_at}
+        summary = _final_summary(config, scenario, learner, device, distributed_run, loop)
+        if main_process:
+            write_outputs(run_dir, loop.records, summary, loop.stds, scenario, config)
+    return summary
+
+
+def _final_summary(config: Config, scenario, learner: Learner, device: torch.device, distributed_run: bool,
+                   loop: _TrainingLoop) -> RunResult:
+    """summary.json of a finished run."""
+    records, train_seconds, ends = loop.records, loop.train_seconds, loop.ends
+    return {
         "name": config.name,
         "learner": getattr(learner, "name", config.learner.kind),
         "scenario": config.scenario.kind,
@@ -508,9 +518,6 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": _summary(records, ends, scenario.num_tasks),
     }
-    if main_process:
-        write_outputs(run_dir, records, summary, stds, scenario, config)
-    return summary
 
 
 def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[str, np.ndarray], scenario,
