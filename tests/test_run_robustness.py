@@ -151,6 +151,7 @@ def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypa
 
     for kind in ("average_accuracy", "first_task_accuracy", "accuracy_matrix"):
         monkeypatch.setattr(runner.plots, f"plot_{kind}", draw(kind))
+
     def undeferred(signum, frame):
         raise AssertionError("the SIGTERM was not deferred: it would have stopped the process")
 

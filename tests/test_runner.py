@@ -465,6 +465,9 @@ def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
         first = [s["modes"][row["mode"]]["first_task_accuracy"] for s in (summary, other_summary)]
         assert float(row["forgetting_mean"]) == pytest.approx(np.mean(forgetting), abs=1e-4)
         assert float(row["first_task_accuracy_mean"]) == pytest.approx(np.mean(first), abs=1e-4)
+        finals = np.mean([np.loadtxt(d / f"accuracy_matrix_{row['mode']}.csv", delimiter=",")[-1]
+                          for d in (run_dir, other)], axis=0)
+        assert [float(x) for x in row["final_accuracy_per_task_mean"].split(" / ")] == pytest.approx(finals, abs=1e-4)
         assert (row["runs"], row["seeds"], row["num_runs"]) == (f"{run_dir.name} seed1", "0 1", "2")
         assert float(row["average_accuracy_mean"]) == pytest.approx(np.mean(values), abs=1e-4)
         assert float(row["average_accuracy_std"]) == pytest.approx(np.std(values, ddof=1), abs=1e-4)

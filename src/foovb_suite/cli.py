@@ -113,7 +113,8 @@ def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> N
 
 def _seed_rows(runs: list[dict]) -> list[list]:
     """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
-    differ only in their seeds (`runner.experiment_key`); runs are named by their "name" entry."""
+    differ only in their seeds (`runner.experiment_key`), and each task's final accuracy averaged over them (" / "
+    between tasks); runs are named by their "name" entry."""
     from .runner import experiment_key
 
     groups: dict[str, list[dict]] = {}
@@ -132,10 +133,12 @@ def _seed_rows(runs: list[dict]) -> list[list]:
             average = np.array([e["average_accuracy"] for e in entries])
             std = f"{average.std(ddof=1):.4f}" if len(average) > 1 else ""
             forgetting = np.mean([e.get("forgetting", np.nan) for e in entries])
+            finals = np.mean([r["records"][-1]["accuracy"][mode] for r in group], axis=0)
             rows.append([group[0]["name"], " ".join(r["name"] for r in group), seed_text, len(group),
                          group[0]["summary"]["learner"], mode, f"{average.mean():.4f}", std,
                          f"{average.min():.4f}", f"{average.max():.4f}",
-                         f"{np.mean([e['first_task_accuracy'] for e in entries]):.4f}", f"{forgetting:.4f}"])
+                         f"{np.mean([e['first_task_accuracy'] for e in entries]):.4f}", f"{forgetting:.4f}",
+                         " / ".join(f"{value:.4f}" for value in finals)])
     return rows
 
 
@@ -205,7 +208,7 @@ def _compare(args: argparse.Namespace) -> int:
     print()
     seed_header = ["experiment", "runs", "seeds", "num_runs", "learner", "mode", "average_accuracy_mean",
                    "average_accuracy_std", "average_accuracy_min", "average_accuracy_max",
-                   "first_task_accuracy_mean", "forgetting_mean"]
+                   "first_task_accuracy_mean", "forgetting_mean", "final_accuracy_per_task_mean"]
     _write_table(out, "compare_seeds", seed_header, _seed_rows(runs))
     plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
     plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
