@@ -20,7 +20,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from step_time import foovb_step_ms, median_ms, mlp, sgd_step_ms
+from step_time import add_device_argument, describe, foovb_step_ms, median_ms, mlp, sgd_step_ms
 
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
 
@@ -30,14 +30,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--k", type=int, default=10, help="Monte Carlo samples per step")
+    add_device_argument(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     mnist = load_mnist()  # a real batch: random labels make the summed-loss updates diverge
-    x = ((mnist.train_images[:128].float() / 255 - MNIST_MEAN) / MNIST_STD).flatten(1)
-    y = mnist.train_labels[:128]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLP 784-100-100-10, batch 128, "
+    x = ((mnist.train_images[:128].float() / 255 - MNIST_MEAN) / MNIST_STD).flatten(1).to(args.device)
+    y = mnist.train_labels[:128].to(args.device)
+    print(f"torch {torch.__version__}, {describe(x.device)}; MLP 784-100-100-10, batch 128, "
           f"K={args.k}; median of {args.repeats} steps")
     sgd = sgd_step_ms(x, y, args.repeats)
     print(f"\nSGD step: {sgd:.3f} ms\n")
@@ -57,14 +58,14 @@ def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int
                           model: torch.nn.Module | None = None) -> float:
     """The diagonal K-sample step reduced to what it cannot avoid (module docstring), on `model` (default: the
     784-100-100-10 MLP)."""
-    model = mlp() if model is None else model
+    model = (mlp() if model is None else model).to(x.device)
     params = list(model.parameters())
     means = [p.detach().clone() for p in params]
     stds = [torch.full_like(p, 0.047) for p in params]
     sums = [torch.zeros_like(p) for p in params]
     weighted = [torch.zeros_like(p) for p in params]
     noises = [torch.empty_like(p) for p in params]
-    generator = torch.Generator()
+    generator = torch.Generator(device=x.device)
 
     def step() -> None:
         for total in sums + weighted:

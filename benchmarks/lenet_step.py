@@ -7,7 +7,7 @@ the same network with the noise drawn and the gradients summed: `closure_path.ba
 the diagonal and matrix-variate families, step(closure) and step_batched, over SGD, over the floor, and the
 matrix-variate step over the diagonal one on the same path.
 
-    python benchmarks/lenet_step.py [--repeats 5] [--threads 1] [--k 10]
+    python benchmarks/lenet_step.py [--repeats 5] [--threads 1] [--k 10] [--device cuda]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from closure_path import bare_diagonal_loop_ms
-from step_time import median_ms
+from step_time import add_device_argument, describe, median_ms
 
 from foovb import FOOVB
 from foovb_suite.learners import lenet
@@ -28,16 +28,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=10, help="Monte Carlo samples per step")
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 3, 32, 32, generator=generator), torch.randint(10, (64,), generator=generator)
+    x, y = x.to(args.device), y.to(args.device)
     loss_fn = lambda out, t: F.cross_entropy(out[:, :10], t)  # noqa: E731  (the first task's head)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); LeNet 3x32x32, batch 64, K={args.k}; "
+    print(f"torch {torch.__version__}, {describe(x.device)}; LeNet 3x32x32, batch 64, K={args.k}; "
           f"median of {args.repeats} steps\n")
 
     torch.manual_seed(0)
-    model = lenet()
+    model = lenet().to(x.device)
     sgd_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def sgd_step() -> None:
@@ -47,7 +49,7 @@ def main() -> None:
 
     sgd = median_ms(sgd_step, args.repeats)
     torch.manual_seed(0)
-    floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats, model=lenet_head())
+    floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats, model=lenet_head().to(x.device))
     print("| step | ms | / SGD | / floor | matrix-variate / diagonal |")
     print("|---|---|---|---|---|")
     print(f"| SGD | {sgd:.0f} | 1.0 | | |")
@@ -56,7 +58,7 @@ def main() -> None:
     for posterior in ("diagonal", "kronecker"):
         for batched in (False, True):
             torch.manual_seed(0)
-            model = lenet()
+            model = lenet().to(x.device)
             opt = FOOVB(model, posterior, mc_samples=args.k, seed=0)
 
             def closure(model=model) -> torch.Tensor:

@@ -6,7 +6,7 @@ Prints, measured in this one run on this machine:
 * the matrix-variate (Kronecker) step for K = 10, with the share of time spent in the posterior update;
 * the full-covariance family on a small 64-32-10 MLP.
 
-    python benchmarks/step_time.py [--repeats 30] [--threads N]
+    python benchmarks/step_time.py [--repeats 30] [--threads N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ def mlp(sizes=(784, 100, 100, 10)) -> nn.Sequential:
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     """Median wall time of `repeats` calls of fn. A call that returns False (a step that diverged, after which
-    the optimizer was rebuilt) is not counted, and another call is made in its place."""
+    the optimizer was rebuilt) is not counted, and another call is made in its place. On a GPU each call is
+    timed to the end of its kernels (synchronised before and after)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     for _ in range(warmup):
         fn()
     times: list[float] = []
     for _ in range(10 * repeats):
+        sync()
         tic = time.perf_counter()
         counted = fn() is not False
+        sync()
         elapsed = time.perf_counter() - tic
         if counted:
             times.append(elapsed)
@@ -49,7 +53,7 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
 
 
 def sgd_step_ms(x, y, repeats: int, sizes=(784, 100, 100, 10)) -> float:
-    model = mlp(sizes)
+    model = mlp(sizes).to(x.device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -62,7 +66,7 @@ def sgd_step_ms(x, y, repeats: int, sizes=(784, 100, 100, 10)) -> float:
 
 def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, sizes=(784, 100, 100, 10),
                   preset: str = "paper") -> float:
-    model = mlp(sizes)
+    model = mlp(sizes).to(x.device)
     opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset)
     loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="sum")  # noqa: E731
 
@@ -85,7 +89,7 @@ def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, siz
 
 def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple[float, float]:
     """Time of a Kronecker step and of its UPDATE alone (statistics -> new M, A, B for all layers)."""
-    model = mlp(sizes)
+    model = mlp(sizes).to(x.device)
     opt = FOOVB(model, "kronecker", mc_samples=k, seed=0, preset="paper")
     captured = {}
     original = opt._apply_update
@@ -108,6 +112,17 @@ def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple
     return step, median_ms(update_only, repeats)
 
 
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="torch device of the models and the batch, e.g. cuda")
+
+
+def describe(device: torch.device) -> str:
+    """The hardware a timing came from: the GPU's name, or the CPU threads."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"CPU, {torch.get_num_threads()} thread(s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
@@ -115,6 +130,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="784,100,100,10",
                         help="MLP layer sizes (the paper's timing table uses the continuous net 1024,200,200,10)")
     parser.add_argument("--ks", default="1,2,10,32", help="MC sample counts of the diagonal family")
+    add_device_argument(parser)
     args = parser.parse_args()
     sizes = tuple(int(v) for v in args.sizes.split(","))
     if args.threads:
@@ -124,11 +140,11 @@ def main() -> None:
     images = mnist.train_images[:128].float()
     if sizes[0] == 1024:  # the continuous scenario's 32 x 32 zero-padded inputs
         images = F.pad(images, (2, 2, 2, 2))
-    x = ((images / 255 - MNIST_MEAN) / MNIST_STD).flatten(1)
-    y = mnist.train_labels[:128]
+    x = ((images / 255 - MNIST_MEAN) / MNIST_STD).flatten(1).to(args.device)
+    y = mnist.train_labels[:128].to(args.device)
     if x.shape[1] != sizes[0]:
         raise SystemExit(f"--sizes must start with 784 or 1024, got {sizes[0]}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; MLP {'-'.join(map(str, sizes))}, "
+    print(f"torch {torch.__version__}, {describe(x.device)}; MLP {'-'.join(map(str, sizes))}, "
           f"batch 128; median of {args.repeats} steps")
     sgd = sgd_step_ms(x, y, args.repeats, sizes)
     print(f"\nSGD step: {sgd:.3f} ms\n")

@@ -346,3 +346,7 @@ def test_step_batched_evaluates_wide_layers_one_sample_at_a_time(monkeypatch):
     monkeypatch.setattr(optimizer_module, "SampledNetwork", None)
     with pytest.raises(TypeError):  # small layers are stacked (SampledNetwork is called)
         narrow.step_batched(X, Y)
+    assert optimizer_module.stacking_is_slower(opts[0].blocks)
+    for block in opts[0].blocks:  # the CPU measurement's rule: a posterior on another device (a GPU) is stacked
+        block.state["mean"] = block.state["mean"].to("meta")
+    assert not optimizer_module.stacking_is_slower(opts[0].blocks)

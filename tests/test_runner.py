@@ -357,11 +357,16 @@ def test_device_resolution_and_errors(monkeypatch) -> None:
 def test_gpu_run_matches_the_cpu_run_and_resumes(finished_run, tmp_path) -> None:
     _, on_cpu = finished_run
     config = config_from_dict(quick(device="cuda"))
+    uninterrupted = run(config, tmp_path / "whole", progress=False)
     assert run(config, tmp_path / "gpu", progress=False, stop_after=21) == {"interrupted_at": 21}
     on_gpu = run(config, tmp_path / "gpu", resume=True, progress=False)
     assert on_gpu["device"].startswith("cuda")
-    for mode, entry in on_cpu["modes"].items():  # the same noise (drawn on the CPU); float rounding differs
-        assert on_gpu["modes"][mode]["average_accuracy"] == pytest.approx(entry["average_accuracy"], abs=0.02)
+    for mode, entry in on_cpu["modes"].items():
+        # resumed = uninterrupted on the GPU (the same noise; float rounding may differ); the CPU run draws other
+        # noise (the GPU's generator), so it is only close
+        assert on_gpu["modes"][mode]["average_accuracy"] == pytest.approx(
+            uninterrupted["modes"][mode]["average_accuracy"], abs=0.01)
+        assert on_gpu["modes"][mode]["average_accuracy"] == pytest.approx(entry["average_accuracy"], abs=0.1)
 
 
 def test_resume_refuses_a_changed_config_and_a_missing_checkpoint(finished_run, tmp_path) -> None:

@@ -30,8 +30,9 @@ __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAY
            "evaluate_sequential", "mix", "refuse_accumulated_gradients", "scale_statistics", "stacking_is_slower",
            "trainable_blocks"]
 
-# A sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples slower than
-# one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10 1.37x)
+# On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
+# slower than one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10
+# 1.37x). On a GPU stacking wins at every width measured (a step there is bound by kernel launches).
 WIDE_LAYER = 2**17
 
 _MASK64 = (1 << 64) - 1
@@ -52,17 +53,20 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
     """eps for the given sample indices, (len(samples), *noise_shape) per block (of `only`; None: all).
 
     The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
-    any chunking and any split of the samples across processes see the same draws. With `antithetic`,
+    any chunking and any split of the samples across processes see the same draws. The noise is drawn on
+    the device of the block's mean (a GPU's generator: its draws differ from the CPU's for the same seed, so
+    a run resumed on another kind of device continues with other, equally valid, noise). With `antithetic`,
     sample 2j + 1 is the negative of sample 2j. (Drawing blocks in a thread pool made the training loop
     slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
     """
     noises = {}
-    generator = torch.Generator()
+    generators: dict[torch.device, torch.Generator] = {}
     for index, block in enumerate(blocks):
         if only is not None and block not in only:
             continue
         ref = block.state["mean"]
-        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype)
+        generator = generators.setdefault(ref.device, torch.Generator(device=ref.device))
+        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=ref.device)
         for row, k in enumerate(samples):
             if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
                 torch.neg(out[row - 1], out=out[row])
@@ -71,7 +75,7 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
             torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
             if antithetic and k % 2:
                 out[row].neg_()
-        noises[block] = out.to(ref.device)
+        noises[block] = out
     return noises
 
 
@@ -423,8 +427,10 @@ def check_batched_step(opt: FOOVB, inputs: Tensor, targets: Tensor,
 
 
 def stacking_is_slower(blocks: list[PosteriorBlock]) -> bool:
-    """A layer whose samples are built whole (not a matrix-variate nn.Linear) with WIDE_LAYER elements or more."""
-    return any(not (isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear))
+    """On the CPU: a layer whose samples are built whole (not a matrix-variate nn.Linear) with WIDE_LAYER elements
+    or more. Never on another device (a GPU: docs/performance.md, "On a GPU")."""
+    return any(block.state["mean"].device.type == "cpu"
+               and not (isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear))
                and sum(p.numel() for p in block.params) >= WIDE_LAYER for block in blocks)
 
 
