@@ -18,7 +18,7 @@ from test_run_recovery import _checkpoint_iteration, _cli_run, _modes, _patch_ob
 
 from foovb_suite import rundir
 from foovb_suite.config import config_from_dict
-from foovb_suite.rundir import RunLock, content_digest, load_checkpoint
+from foovb_suite.rundir import RunDirectoryBusy, RunLock, content_digest, load_checkpoint
 from foovb_suite.runner import run
 
 
@@ -115,6 +115,36 @@ def test_a_resume_of_a_directory_whose_run_is_still_going_is_refused(config_file
     with RunLock(damaged):  # this process holds it; the CLI opens the lock file again and is refused
         assert _cli_run(config_file, damaged, "--resume") == 2
     assert "is in use by another foovb run" in _one_error_line(capfd)
+
+
+def test_a_lock_file_removed_during_a_run_lets_no_second_writer_mix_its_files(tmp_path, monkeypatch):
+    """An `rm` of the directory's files while a run holds it, then a second run takes the directory: the first
+    stops at its next write, without writing (before: both wrote the same checkpoint and outputs)."""
+    out = tmp_path / "r"
+    seen = {}
+
+    def intrude(learner) -> None:
+        (out / ".foovb.lock").unlink()
+        seen["intruder"] = RunLock(out).__enter__()  # the second run: the path is free, so it gets a lock
+        seen["checkpoint"] = (out / "checkpoint.pt").read_bytes()  # the one written at iteration 7
+
+    _patch_observe(monkeypatch, 9, intrude)
+    try:
+        with pytest.raises(RunDirectoryBusy, match="removed or replaced while this run held it"):
+            run(config_from_dict(TINY), out, progress=False)
+        assert (out / "checkpoint.pt").read_bytes() == seen["checkpoint"]  # not written after iteration 9
+        assert not (out / "summary.json").exists()
+    finally:
+        seen["intruder"].__exit__(None, None, None)
+
+
+def test_a_removed_lock_file_is_taken_again_when_no_other_run_took_it(tmp_path):
+    with RunLock(tmp_path) as lock:
+        (tmp_path / ".foovb.lock").unlink()
+        lock.confirm()  # no other run: the lock is taken again, on the file now at the path
+        with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path).__enter__()
+        lock.confirm()  # still ours: nothing changes
 
 
 def test_sigterm_checkpoints_after_the_iteration_and_prints_the_resume_command(config_file, tmp_path, capfd,

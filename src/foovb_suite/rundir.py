@@ -129,7 +129,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 class RunLock:
     """One writer per run directory: an exclusive `fcntl.flock` on `<run_dir>/.foovb.lock`, held while the block
     runs and released by the operating system when the process ends, however it ends (no stale lock). The file
-    holds the holder's pid, named when a second run is refused. Where fcntl does not exist (Windows), no lock."""
+    holds the holder's pid, named when a second run is refused. A lock file removed or replaced while a run holds
+    it (an `rm` of the directory's files) would let a second run in: `confirm` (called before every write) takes
+    the new file's lock or stops this run. Where fcntl does not exist (Windows), no lock."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / ".foovb.lock"
@@ -137,25 +139,57 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         try:
-            import fcntl
+            import fcntl  # noqa: F401
         except ImportError:  # pragma: no cover - Windows
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")  # noqa: SIM115 - held for the life of the run
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
+        self.handle = self._acquire()
+        return self
+
+    def _acquire(self) -> Any:
+        """The open, flocked lock file at `self.path` with this pid in it; RunDirectoryBusy if another run has it."""
+        import fcntl
+
+        while True:
+            handle = open(self.path, "a+")  # noqa: SIM115 - held for the life of the run
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise RunDirectoryBusy(f"{self.path.parent} is in use by another foovb run (pid {holder}); wait for "
+                                       "it to end, or choose another directory (--out)") from None
+            if self._is_locked_file(handle):  # not removed or replaced between open and flock: ours
+                break
             handle.close()
-            raise RunDirectoryBusy(f"{self.path.parent} is in use by another foovb run (pid {holder}); wait for it "
-                                   "to end, or choose another directory (--out)") from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
         handle.flush()
+        return handle
+
+    def _is_locked_file(self, handle: Any) -> bool:
+        """Whether `self.path` is still the file `handle` has open."""
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(handle.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+    def confirm(self) -> None:
+        """Before a write: if the lock file was removed or replaced, take the lock of the file now at its path
+        (no other run can then be writing), or raise RunDirectoryBusy, without writing, if another run holds it."""
+        if self.handle is None or self._is_locked_file(self.handle):
+            return
+        try:
+            handle = self._acquire()
+        except RunDirectoryBusy as error:
+            raise RunDirectoryBusy(f"{self.path} was removed or replaced while this run held it, and {error}: this "
+                                   "run stops without writing, so that the two runs' files do not mix") from None
+        self.handle.close()
         self.handle = handle
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.handle is not None:

@@ -297,9 +297,9 @@ class _TrainingLoop:
     evaluations and every `checkpoint_every` iterations), and stop cleanly on divergence and Ctrl-C."""
 
     def __init__(self, config: Config, scenario, learner: Learner, device: torch.device, checkpoint_path: Path,
-                 main_process: bool, state: dict[str, Any] | None):
+                 main_process: bool, state: dict[str, Any] | None, confirm_lock: Callable[[], None]):
         self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
-        self.checkpoint_path, self.main_process = checkpoint_path, main_process
+        self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
         state = state or {"iteration": 0, "records": [], "train_seconds": 0.0, "stds": {}}
         self.start: int = state["iteration"]
@@ -316,6 +316,7 @@ class _TrainingLoop:
         Python values only: torch.load's default weights_only=True loads it)."""
         self.train_seconds += time.perf_counter() - self.tic
         if self.main_process:
+            self.confirm_lock()  # never two runs writing one directory (RunLock.confirm)
             stds = {key: torch.from_numpy(value) for key, value in self.stds.items()}
             save_checkpoint({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
                              "train_seconds": self.train_seconds, "stds": stds}, self.checkpoint_path)
@@ -446,14 +447,15 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     learner = build_learner(config, scenario, device)
     if resume and not (run_dir / "checkpoint.pt").is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {run_dir / 'checkpoint.pt'}")
-    with RunLock(run_dir) if main_process else contextlib.nullcontext():  # one writer per run directory
+    with RunLock(run_dir) if main_process else contextlib.nullcontext() as lock:  # one writer per run directory
         return _run_locked(config, run_dir, scenario, learner, device, distributed_run, main_process, resume=resume,
-                           progress=progress, stop_after=stop_after)
+                           progress=progress, stop_after=stop_after,
+                           confirm_lock=lock.confirm if lock is not None else lambda: None)
 
 
 def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, device: torch.device,
                 distributed_run: bool, main_process: bool, *, resume: bool, progress: bool,
-                stop_after: int | None) -> RunResult:
+                stop_after: int | None, confirm_lock: Callable[[], None]) -> RunResult:
     """`run` once its directory is locked: check what the directory holds, resume or start, train, write outputs."""
     checkpoint_path = run_dir / "checkpoint.pt"
     if not resume and (run_dir / "summary.json").exists():
@@ -475,8 +477,9 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         distributed.distribute(learner.optimizer, "mc")
     if main_process:
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+        confirm_lock()
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state)
+    loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock)
     bar = None
     if progress and main_process:
         import sys
@@ -496,6 +499,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
             return {"interrupted_at": stopped_at}
         summary = _final_summary(config, scenario, learner, device, distributed_run, loop)
         if main_process:
+            confirm_lock()
             write_outputs(run_dir, loop.records, summary, loop.stds, scenario, config)
     return summary
 
