@@ -9,9 +9,11 @@ first layer's sampled weight is never formed, as in step_batched (issue 30).
 Last row, the floor of the diagonal closure path: a bare loop of K forward/backward passes, the noise (one
 torch.randn per antithetic pair and tensor, as the default preset draws), each sample written into the
 parameters and its gradient summed in place (two in-place ops per tensor), then a trivial update: what any
-implementation of the diagonal K-sample step on top of torch's CPU generator pays.
+implementation of the diagonal K-sample step on top of torch's CPU generator pays. And the floor of
+step_batched: the same step with the K samples stacked (one batched forward and backward through `baddbmm`), the
+floor that matters on a GPU, where one sample at a time is bound by kernel launches.
 
-    python benchmarks/closure_path.py [--repeats 20] [--threads N] [--k 10]
+    python benchmarks/closure_path.py [--repeats 20] [--threads N] [--k 10] [--device cuda]
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def main() -> None:
             print(f"| {posterior} | {preset} | {closure:.2f} | {closure / sgd:.1f} | {batched:.2f} | "
                   f"{batched / sgd:.1f} | {closure / batched:.2f} |")
     floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats)
-    print(f"| diagonal floor: bare loop, antithetic | | {floor:.2f} | {floor / sgd:.1f} | | | |")
+    stacked = bare_stacked_loop_ms(x, y, args.k, args.repeats)
+    print(f"| diagonal floor: bare loop, antithetic | | {floor:.2f} | {floor / sgd:.1f} | {stacked:.2f} | "
+          f"{stacked / sgd:.1f} | |")
+    print("\n(floor row: the sequential bare loop under step(closure), the stacked one under step_batched)")
 
 
 def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int,
@@ -88,6 +93,42 @@ def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int
             for mean, std, total, param in zip(means, stds, sums, params, strict=True):
                 mean.addcmul_(std, total, value=-1e-9)
                 param.data.copy_(mean)
+
+    return median_ms(step, repeats)
+
+
+def bare_stacked_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int,
+                         sizes: tuple[int, ...] = (784, 100, 100, 10)) -> float:
+    """The diagonal K-sample step of an MLP with the samples stacked, reduced to what it cannot avoid: antithetic
+    noise for each tensor (one draw per pair), the K sampled weights, one batched forward and backward of the K
+    networks (`baddbmm`), then E[g] and E[g eps] summed over the samples and a trivial update."""
+    means = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
+        means += [0.05 * torch.randn(fan_out, fan_in, device=x.device), torch.zeros(fan_out, device=x.device)]
+    stds = [torch.full_like(mean, 0.047) for mean in means]
+    generator = torch.Generator(device=x.device)
+    targets = y.repeat(k)
+
+    def step() -> None:
+        noises = []
+        for index, mean in enumerate(means):
+            generator.manual_seed(index)
+            half = torch.randn((k // 2, *mean.shape), generator=generator, device=x.device)
+            noises.append(torch.cat([half, -half]))
+        params = [torch.addcmul(mean, std, noise).requires_grad_() for mean, std, noise in
+                  zip(means, stds, noises, strict=True)]
+        hidden = x.expand(k, *x.shape)
+        for layer in range(len(sizes) - 1):
+            weight, bias = params[2 * layer], params[2 * layer + 1]
+            hidden = torch.baddbmm(bias[:, None, :], hidden, weight.transpose(1, 2))
+            if layer < len(sizes) - 2:
+                hidden = hidden.relu()
+        loss = F.cross_entropy(hidden.reshape(-1, sizes[-1]), targets, reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for mean, std, grad, noise in zip(means, stds, grads, noises, strict=True):
+                mean.addcmul_(std, grad.sum(0), value=-1e-9)
+                std.addcmul_(std, (grad * noise).sum(0), value=-1e-12)
 
     return median_ms(step, repeats)
 
