@@ -1,0 +1,46 @@
+#!/bin/bash
+# The GPU checks of one lent device session, as one command (docs/performance.md, "On a GPU"): the runner's GPU
+# test, the timing tables (each ratio measured in its own run), then training runs side by side until a deadline;
+# SIGTERM checkpoints them, and each run directory comes back as one tar file (checkpoint included, so that a later
+# session resumes it). From the repository root, with the data directory carried into the checkout:
+#
+#   OUT=/path/to/results DATA=gpu_data DEADLINE=470 bash scripts/device_check.sh [RUN ...]
+#
+# RUN: config[:seed] of configs/, e.g. mnist_fashion_foovb_diagonal:0 (default: the paper-scale MNIST ->
+# Fashion-MNIST FOO-VB runs, seed 0); a run found in runs/device/ is resumed. DEVICE (default cuda): the runs'
+# device. Needs torch with CUDA, numpy, matplotlib, pyyaml, tqdm and pytest (the device image has them).
+set -u
+START=$(date +%s); END=$((START + ${DEADLINE:-470}))
+export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
+mkdir -p "$OUT"; T=$OUT/tables.txt
+elapsed() { echo $(($(date +%s) - START)); }
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+  echo "== GPU test ($(elapsed) s)"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runner.py -k gpu || echo "GPU TEST FAILED"
+  for cmd in "step_time.py --device cuda --sizes 1024,200,200,10 --repeats 30 --ks 1,10" \
+             "closure_path.py --device cuda --repeats 30" "lenet_step.py --device cuda --repeats 20"; do
+    echo "== $cmd ($(elapsed) s)"
+    (cd benchmarks && timeout 100 python3 $cmd)
+  done
+} > "$T" 2>&1
+left=$((END - $(date +%s))); [ $left -lt 60 ] && left=60
+echo "== runs start at $(elapsed) s, ${left} s each" >> "$T"
+runs=("$@"); [ ${#runs[@]} = 0 ] && runs=(mnist_fashion_foovb_diagonal:0 mnist_fashion_foovb_kronecker:0)
+mkdir -p runs/device
+for spec in "${runs[@]}"; do
+  config=${spec%%:*}; seed=${spec#*:}; [ "$seed" = "$spec" ] && seed=0; out=runs/device/${config}_s$seed
+  if [ -f $out/checkpoint.pt ]; then r=--resume; else r=; fi
+  data=(); grep -q "kind: vision_mix" configs/$config.yaml && data=(--set scenario.data_dir="${DATA:-data}")
+  timeout -s TERM $left python3 -m foovb_suite run configs/$config.yaml --set device=${DEVICE:-cuda} --set threads=2 \
+    "${data[@]}" --set seed=$seed --set scenario.seed=$seed --out $out $r > $out.log 2>&1 &
+done
+wait
+echo "== runs ended at $(elapsed) s" >> "$T"
+for spec in "${runs[@]}"; do
+  config=${spec%%:*}; seed=${spec#*:}; [ "$seed" = "$spec" ] && seed=0; out=runs/device/${config}_s$seed
+  { echo "== $out"; tail -c 400 $out.log | tr '\r' '\n' | tail -n 4; } >> "$T"
+  tar czf "$OUT/${config}_s$seed.tgz" -C runs/device ${config}_s$seed ${config}_s$seed.log
+done
+cat "$T"
