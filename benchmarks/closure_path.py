@@ -113,8 +113,8 @@ def bare_stacked_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int,
         noises = []
         for index, mean in enumerate(means):
             generator.manual_seed(index)
-            half = torch.randn((k // 2, *mean.shape), generator=generator, device=x.device)
-            noises.append(torch.cat([half, -half]))
+            half = torch.randn(((k + 1) // 2, *mean.shape), generator=generator, device=x.device)
+            noises.append(torch.cat([half, -half])[:k])
         params = [torch.addcmul(mean, std, noise).requires_grad_() for mean, std, noise in
                   zip(means, stds, noises, strict=True)]
         hidden = x.expand(k, *x.shape)

@@ -35,7 +35,10 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     """Median wall time of `repeats` calls of fn. A call that returns False (a step that diverged, after which
     the optimizer was rebuilt) is not counted, and another call is made in its place. On a GPU each call is
     timed to the end of its kernels (synchronised before and after)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    def sync() -> None:  # every GPU (a timing on cuda:1 must wait for cuda:1's kernels)
+        for index in range(torch.cuda.device_count() if torch.cuda.is_initialized() else 0):
+            torch.cuda.synchronize(index)
+
     for _ in range(warmup):
         fn()
     times: list[float] = []

@@ -18,7 +18,7 @@ elapsed() { echo $(($(date +%s) - START)); }
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
   echo "== GPU test ($(elapsed) s)"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_runner.py -k gpu || echo "GPU TEST FAILED"
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_runner.py -k gpu || echo "GPU TEST FAILED"
   for cmd in "step_time.py --device cuda --sizes 1024,200,200,10 --repeats 30 --ks 1,10" \
              "closure_path.py --device cuda --repeats 30" "lenet_step.py --device cuda --repeats 20"; do
     echo "== $cmd ($(elapsed) s)"
@@ -33,7 +33,7 @@ for spec in "${runs[@]}"; do
   config=${spec%%:*}; seed=${spec#*:}; [ "$seed" = "$spec" ] && seed=0; out=runs/device/${config}_s$seed
   if [ -f $out/checkpoint.pt ]; then r=--resume; else r=; fi
   data=(); grep -q "kind: vision_mix" configs/$config.yaml && data=(--set scenario.data_dir="${DATA:-data}")
-  timeout -s TERM $left python3 -m foovb_suite run configs/$config.yaml --set device=${DEVICE:-cuda} --set threads=2 \
+  timeout -s TERM -k 60 $left python3 -m foovb_suite run configs/$config.yaml --set device=${DEVICE:-cuda} --set threads=2 \
     "${data[@]}" --set seed=$seed --set scenario.seed=$seed --out $out $r > $out.log 2>&1 &
 done
 wait

@@ -350,3 +350,6 @@ def test_step_batched_evaluates_wide_layers_one_sample_at_a_time(monkeypatch):
     for block in opts[0].blocks:  # the CPU measurement's rule: a posterior on another device (a GPU) is stacked
         block.state["mean"] = block.state["mean"].to("meta")
     assert not optimizer_module.stacking_is_slower(opts[0].blocks)
+    noises = optimizer_module.draw_noise(opts[0].blocks, 7, range(4), antithetic=True)  # no generator on meta:
+    for block in opts[0].blocks:  # the CPU's draws, moved to the posterior's device
+        assert noises[block].device.type == "meta" and noises[block].shape == (4, *block.noise_shape)

@@ -130,7 +130,7 @@ def test_a_lock_file_removed_during_a_run_lets_no_second_writer_mix_its_files(tm
 
     _patch_observe(monkeypatch, 9, intrude)
     try:
-        with pytest.raises(RunDirectoryBusy, match="removed or replaced while this run held it"):
+        with pytest.raises(RunDirectoryBusy, match="was replaced while this run held it"):
             run(config_from_dict(TINY), out, progress=False)
         assert (out / "checkpoint.pt").read_bytes() == seen["checkpoint"]  # not written after iteration 9
         assert not (out / "summary.json").exists()
@@ -145,6 +145,26 @@ def test_a_removed_lock_file_is_taken_again_when_no_other_run_took_it(tmp_path):
         with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
             RunLock(tmp_path).__enter__()
         lock.confirm()  # still ours: nothing changes
+
+
+def test_a_lock_file_replaced_by_a_finished_run_stops_the_first_run(tmp_path):
+    """The second run took the directory after the `rm` and has ended (its lock released): its files must not be
+    overwritten by the first run, so the first stops rather than take the lock again."""
+    with RunLock(tmp_path) as lock:
+        (tmp_path / ".foovb.lock").unlink()
+        with RunLock(tmp_path):
+            pass
+        with pytest.raises(RunDirectoryBusy, match=f"was replaced .*pid {os.getpid()}"):
+            lock.confirm()
+
+
+def test_a_removed_run_directory_is_named(tmp_path):
+    with RunLock(tmp_path / "r") as lock:
+        for path in (tmp_path / "r").iterdir():
+            path.unlink()
+        (tmp_path / "r").rmdir()
+        with pytest.raises(RunDirectoryBusy, match="run directory .* was removed while this run held it"):
+            lock.confirm()
 
 
 def test_sigterm_checkpoints_after_the_iteration_and_prints_the_resume_command(config_file, tmp_path, capfd,

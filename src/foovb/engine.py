@@ -54,8 +54,10 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
 
     The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
     any chunking and any split of the samples across processes see the same draws. The noise is drawn on
-    the device of the block's mean (a GPU's generator: its draws differ from the CPU's for the same seed, so
-    a run resumed on another kind of device continues with other, equally valid, noise). With `antithetic`,
+    the device of the block's mean where that device has a generator (a GPU): its draws differ from the CPU's
+    for the same seed, and between GPU models for large blocks (CUDA's generator sizes its launch by the
+    chip), so a run resumed on another kind of device continues with other, equally valid, noise. Devices
+    without a generator get the CPU's draws, copied. With `antithetic`,
     sample 2j + 1 is the negative of sample 2j. (Drawing blocks in a thread pool made the training loop
     slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
     """
@@ -65,8 +67,13 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
         if only is not None and block not in only:
             continue
         ref = block.state["mean"]
-        generator = generators.setdefault(ref.device, torch.Generator(device=ref.device))
-        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=ref.device)
+        if ref.device not in generators:
+            try:
+                generators[ref.device] = torch.Generator(device=ref.device)
+            except RuntimeError:  # no generator on this device (e.g. meta): draw on the CPU and copy
+                generators[ref.device] = torch.Generator()
+        generator = generators[ref.device]
+        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=generator.device)
         for row, k in enumerate(samples):
             if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
                 torch.neg(out[row - 1], out=out[row])
@@ -75,7 +82,7 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
             torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
             if antithetic and k % 2:
                 out[row].neg_()
-        noises[block] = out
+        noises[block] = out.to(ref.device)
     return noises
 
 

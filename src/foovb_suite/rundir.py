@@ -160,14 +160,17 @@ class RunLock:
                 handle.close()
                 raise RunDirectoryBusy(f"{self.path.parent} is in use by another foovb run (pid {holder}); wait for "
                                        "it to end, or choose another directory (--out)") from None
-            if self._is_locked_file(handle):  # not removed or replaced between open and flock: ours
-                break
+            try:
+                if self._is_locked_file(handle):  # not removed or replaced between open and flock: ours
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(f"{os.getpid()}\n")
+                    handle.flush()
+                    return handle
+            except BaseException:
+                handle.close()
+                raise
             handle.close()
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        return handle
 
     def _is_locked_file(self, handle: Any) -> bool:
         """Whether `self.path` is still the file `handle` has open."""
@@ -179,15 +182,21 @@ class RunLock:
         return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
 
     def confirm(self) -> None:
-        """Before a write: if the lock file was removed or replaced, take the lock of the file now at its path
-        (no other run can then be writing), or raise RunDirectoryBusy, without writing, if another run holds it."""
+        """Before a write: if the lock file was removed, take the lock again on a new one; if another file is at
+        its path (another run's, live or finished) or the directory is gone, raise without writing."""
         if self.handle is None or self._is_locked_file(self.handle):
             return
+        stopping = "this run stops without writing, so that two runs' files do not mix"
+        if not self.path.parent.is_dir():
+            raise RunDirectoryBusy(f"the run directory {self.path.parent} was removed while this run held it: "
+                                   f"{stopping}")
+        if self.path.exists():
+            raise RunDirectoryBusy(f"{self.path} was replaced while this run held it (another foovb run, pid "
+                                   f"{self.path.read_text().strip() or 'unknown'}, took the directory): {stopping}")
         try:
             handle = self._acquire()
-        except RunDirectoryBusy as error:
-            raise RunDirectoryBusy(f"{self.path} was removed or replaced while this run held it, and {error}: this "
-                                   "run stops without writing, so that the two runs' files do not mix") from None
+        except RunDirectoryBusy as error:  # another run created the file just now
+            raise RunDirectoryBusy(f"{self.path} was removed while this run held it, and {error}: {stopping}") from None
         self.handle.close()
         self.handle = handle
 
