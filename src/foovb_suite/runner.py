@@ -118,7 +118,8 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {name!r} asked for, but torch {torch.__version__} sees no CUDA GPU "
-                              "(use device=auto or device=cpu)")
+                              "(--set device=auto or device=cpu; a run directory's config records the device it "
+                              "last ran on)")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ConfigError(f"device: {name!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)")
     return device
