@@ -7,7 +7,8 @@
 #   OUT=/path/to/results DATA=gpu_data DEADLINE=470 bash scripts/device_check.sh [RUN ...]
 #
 # RUN: config[:seed] of configs/, e.g. mnist_fashion_foovb_diagonal:0 (default: the paper-scale MNIST ->
-# Fashion-MNIST FOO-VB runs, seed 0); a run found in runs/device/ is resumed. DEVICE (default cuda): the runs'
+# Fashion-MNIST FOO-VB runs, seed 0); a run found in runs/device/ is resumed (untar the returned files there and
+# carry runs/device with the next call). DEVICE (default cuda): the runs'
 # device. Needs torch with CUDA, numpy, matplotlib, pyyaml, tqdm and pytest (the device image has them).
 set -u
 START=$(date +%s); END=$((START + ${DEADLINE:-470}))
