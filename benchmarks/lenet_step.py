@@ -49,7 +49,7 @@ def main() -> None:
 
     sgd = median_ms(sgd_step, args.repeats)
     torch.manual_seed(0)
-    floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats, model=lenet_head().to(x.device))
+    floor = bare_diagonal_loop_ms(x, y, args.k, args.repeats, model=lenet_head())
     print("| step | ms | / SGD | / floor | matrix-variate / diagonal |")
     print("|---|---|---|---|---|")
     print(f"| SGD | {sgd:.0f} | 1.0 | | |")
