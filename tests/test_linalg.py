@@ -240,6 +240,28 @@ def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision()
     assert (forced_svd.double() - baseline).abs().max() <= 4 * torch.finfo(torch.float32).eps * scale
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_float32_low_rank_update_matches_float64_to_float32_precision(seed):
+    """The low-rank route of a float32 factor (a thin QR and its products in float32, the decompositions in
+    float64): with N = A^T L^T C of rank 20 over n = 40, singular values from 2 down to 1e-10, the update matches
+    the float64 one of the same float32-rounded inputs to float32 rounding."""
+    g = make_generator(seed)
+    n, rank = 40, 20
+    a = random_sqrt(n, g)
+    z = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=F64))[0]  # (L A)^T, orthonormal columns
+    left = torch.linalg.solve(a.T, z).T
+    right = _matrix_with_singular_values((rank, n), torch.logspace(0.3, -10, rank, dtype=F64), g)
+    low = LowRank(left.float(), right.float())
+    assert low.rank == rank and low.dense is None
+    got = sqrt_covariance_update(a.float(), low)
+    baseline = sqrt_covariance_update(a.float().double(), LowRank(left.float().double(), right.float().double()))
+    expected = sqrt_covariance_update(a, LowRank(left, right))
+    scale = expected.abs().max()
+    assert got.dtype == torch.float32
+    assert (got.double() - baseline).abs().max() <= 4 * torch.finfo(torch.float32).eps * scale
+    assert (got.double() - expected).abs().max() <= 1e-6 * scale
+
+
 def test_float64_update_by_svd_route_matches_lemma2_on_a_wide_spectrum():
     """A float64 factor takes the SVD route: with N = A^T T's singular values from 1e2 down to 1e-10 the new
     covariance is Lemma 2's solution X X^T (solve_fixed_point) to 1e-12 relative. The Gram route, accurate to
@@ -303,14 +325,25 @@ def test_low_rank_accumulates_then_collapses_to_dense(gen):
     for i, (left, right) in enumerate(pairs):
         acc.add(left, right)
         total += left.T @ right
-        if i < 2:  # ranks 2, 4 < n stay factored
+        if i < 2:  # ranks 2, 4 <= 2n/3 stay factored (DENSE_FRACTION)
             assert acc.dense is None and acc.rank == 2 * (i + 1)
-        else:  # rank would reach n: collapsed
+        else:  # rank 6 > 2n/3: collapsed
             assert acc.dense is not None and acc.left is None and acc.rank == 0
         torch.testing.assert_close(acc.to_dense(), total, atol=1e-12, rtol=1e-12)
     acc.add_dense(torch.eye(n, dtype=F64))
     torch.testing.assert_close(acc.to_dense(), total + torch.eye(n, dtype=F64), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(acc.scaled(0.5).to_dense(), 0.5 * (total + torch.eye(n, dtype=F64)))
+
+
+def test_low_rank_collapses_past_two_thirds_of_n(gen):
+    """Past rank 2n/3 the dense update is the cheaper (DENSE_FRACTION): 5 rows over n = 6 are stored dense."""
+    n = 6
+    for rows, factored in ((4, True), (5, False)):
+        acc = LowRank()
+        left, right = torch.randn(rows, n, generator=gen, dtype=F64), torch.randn(rows, n, generator=gen, dtype=F64)
+        acc.add(left, right)
+        assert (acc.dense is None) == factored
+        torch.testing.assert_close(acc.to_dense(), left.T @ right)
 
 
 def test_low_rank_identical_left_sums_right_factors(gen):

@@ -98,13 +98,20 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float | None = None
     return x.to(M.dtype)
 
 
+# A low-rank statistic of rank r over an n x n factor is collapsed to a dense one when r > DENSE_FRACTION n.
+# Measured (float32 factors, 1 thread, `sqrt_covariance_update`): the low-rank update costs 0.5-0.65 of the dense
+# one at r = 0.6 n and 1.4-1.6 at r = 0.75 n for n = 76, 200; 0.8 at 0.75 n and 1.5 at 0.9 n for n = 501, 1251.
+DENSE_FRACTION = 2 / 3
+
+
 @dataclass
 class LowRank:
     """A matrix stored as T = left^T right (left, right: r x n), accumulated without forming the n x n product.
 
     FOO-VB's estimates of E[g eps^T] are sums of few outer products: rank K for the full family (K Monte Carlo
     samples) and rank r (batch rows) for the input factor of the first Linear layer of a matrix-variate model.
-    Once the rank would reach n, the sum is collapsed to a dense matrix (kept in `dense`).
+    Once the rank would pass `DENSE_FRACTION` n, the sum is collapsed to a dense matrix (kept in `dense`): from about
+    there on the dense update is the cheaper (`sqrt_covariance_update`).
     """
 
     left: Tensor | None = None
@@ -121,7 +128,7 @@ class LowRank:
             self.right = self.right + right
             return
         n = left.shape[1]
-        if self.dense is None and self.rank + left.shape[0] < n:
+        if self.dense is None and self.rank + left.shape[0] <= DENSE_FRACTION * n:
             if self.left is None:
                 self.left, self.right = left, right
             else:
@@ -180,9 +187,10 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     A_new A_new^T = X X^T for Lemma 2's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
     posterior is the paper's. Uses a thin QR and the left singular pairs of an r x n matrix in O(n^2 r) when T
     is low rank, those of N otherwise (`left_singular_pairs`). The decompositions run in `dtype` (float64);
-    the O(n^2 r) products in A's own dtype, whose precision is that of the stored factor anyway. For a float32
-    A they use the Gram route: its error in A_new, about 1e-8 s_max relative (h is 1-Lipschitz), stays below
-    float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2); a float64 A gets SVDs.
+    the O(n^2 r) and O(n r^2) products in A's own dtype, whose precision is that of the stored factor anyway.
+    For a float32 A they use the Gram route: its error in A_new, about 1e-8 s_max relative (h is 1-Lipschitz),
+    stays below float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2); a float64 A
+    gets SVDs.
     `gram` overrides that choice. Measured at width 1000 (benchmarks/update_routes.py): decomposing in float32
     makes the UPDATE 10% (SVD) to 36% (Gram) faster there but its error 2.5 to 33 times larger, beyond the
     tests' float32 bound (docs/performance.md), so it is not used.
@@ -197,7 +205,8 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
         # matrix R_Z C gives N's nonzero singular values and left singular vectors Q_Z U_small.
         z = (t.left.to(a.dtype) @ a).T.to(dtype)
         q_z, r_z = torch.linalg.qr(z)
-        u_small, s = left_singular_pairs(r_z @ t.right.to(dtype), gram=gram)
-        u = q_z @ u_small
+        core = (r_z.to(a.dtype) @ t.right.to(a.dtype)).to(dtype)  # O(n r^2) products in A's dtype, as z
+        u_small, s = left_singular_pairs(core, gram=gram)
+        u = q_z.to(a.dtype) @ u_small.to(a.dtype)
     u = u.to(a.dtype)
     return a + ((a @ u) * (root_scale(s) - 1.0).to(a.dtype)) @ u.T
