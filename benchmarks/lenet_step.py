@@ -5,7 +5,10 @@ Prints, measured in this one run on this machine, with random inputs and labels 
 (`FOOVB(model, posterior, mc_samples=K)`): the SGD step; the floor (a bare loop of K forward/backward passes of
 the same network with the noise drawn and the gradients summed: `closure_path.bare_diagonal_loop_ms`); and for
 the diagonal and matrix-variate families, step(closure) and step_batched, over SGD, over the floor, and the
-matrix-variate step over the diagonal one on the same path.
+matrix-variate step over the diagonal one on the same path. Then the matrix-variate UPDATE alone (its statistics
+-> new means and Kronecker factors, replayed) of the step(closure) path: the samples of a matrix-variate step cost at
+least the diagonal step's (the same K forward/backward passes), so (diagonal step + UPDATE) / diagonal step bounds
+the matrix-variate / diagonal ratio from below at the current UPDATE.
 
     python benchmarks/lenet_step.py [--repeats 5] [--threads 1] [--k 10] [--device cuda]
 """
@@ -17,7 +20,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from closure_path import bare_diagonal_loop_ms
-from step_time import add_device_argument, describe, median_ms
+from step_time import add_device_argument, describe, median_ms, step_and_update_ms
 
 from foovb import FOOVB
 from foovb_suite.learners import lenet
@@ -69,10 +72,17 @@ def main() -> None:
             def step(opt=opt, batched=batched, closure=closure) -> None:
                 opt.step_batched(x, y, loss_fn) if batched else opt.step(closure)
 
-            ms = times[posterior, batched] = median_ms(step, args.repeats, warmup=1)
+            if (posterior, batched) == ("kronecker", False):
+                ms, update = step_and_update_ms(opt, step, args.repeats, warmup=1)
+            else:
+                ms = median_ms(step, args.repeats, warmup=1)
+            times[posterior, batched] = ms
             ratio = f"{ms / times['diagonal', batched]:.2f}" if posterior == "kronecker" else ""
             name = f"{posterior} {'step_batched' if batched else 'step(closure)'}"
             print(f"| {name} | {ms:.0f} | {ms / sgd:.1f} | {ms / floor:.2f} | {ratio} |")
+    diagonal = times["diagonal", False]
+    print(f"\nmatrix-variate UPDATE alone (step(closure) path): {update:.0f} ms, {update / diagonal:.2f} of the "
+          f"diagonal step; matrix-variate / diagonal >= {(diagonal + update) / diagonal:.2f} at this UPDATE")
 
 
 def lenet_head() -> torch.nn.Module:

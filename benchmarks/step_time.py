@@ -94,6 +94,12 @@ def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple
     """Time of a Kronecker step and of its UPDATE alone (statistics -> new M, A, B for all layers)."""
     model = mlp(sizes).to(x.device)
     opt = FOOVB(model, "kronecker", mc_samples=k, seed=0, preset="paper")
+    return step_and_update_ms(opt, lambda: opt.step_batched(x, y), repeats)
+
+
+def step_and_update_ms(opt: FOOVB, step, repeats: int, warmup: int = 3) -> tuple[float, float]:
+    """Median ms of `step()` (a step of `opt`) and of its UPDATE alone, replayed from the last step's statistics
+    on the state before that update."""
     captured = {}
     original = opt._apply_update
 
@@ -102,7 +108,7 @@ def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple
         return original(stats, losses, num_samples)
 
     opt._apply_update = capture
-    step = median_ms(lambda: opt.step_batched(x, y), repeats)
+    step_ms = median_ms(step, repeats, warmup)
     stats, losses, num_samples = captured["args"]
     saved = [{key: value.clone() for key, value in b.state.items()} for b in opt.blocks]
 
@@ -112,7 +118,9 @@ def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple
             block.state.update({key: value for key, value in state.items() if key != "mean"})  # and replaces these
         original(stats, losses, num_samples)
 
-    return step, median_ms(update_only, repeats)
+    update_ms = median_ms(update_only, repeats, warmup)
+    opt._apply_update = original
+    return step_ms, update_ms
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
