@@ -68,6 +68,18 @@ def gen() -> torch.Generator:
     return make_generator(1234)
 
 
+@pytest.fixture
+def always_stacked(monkeypatch):
+    """step_batched and sample_probabilities stack the samples of every layer, as on a GPU (on the CPU they
+    evaluate models with a Conv2d or a wide layer one sample at a time: `engine.stacking_is_slower`), so that
+    the stacked path of such models is what a test exercises."""
+    import foovb.optimizer
+    import foovb.predict
+
+    for module in (foovb.optimizer, foovb.predict):
+        monkeypatch.setattr(module, "stacking_is_slower", lambda blocks: False)
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """The core tests use tiny matrices: intra-op threads only add overhead (severe on a busy box)."""

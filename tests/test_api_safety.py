@@ -325,6 +325,31 @@ def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_s
         pass
 
 
+@pytest.mark.parametrize("family", ["diagonal", "kronecker"])
+def test_step_batched_evaluates_conv_models_one_sample_at_a_time_on_the_cpu(family, monkeypatch):
+    """On the CPU the K samples of a Conv2d stacked (one grouped convolution) are slower than K convolutions
+    (docs/performance.md): step_batched of a model with a Conv2d takes step(closure)'s route, with its update;
+    the same model on another device (meta here, for a GPU) is stacked."""
+    import foovb.engine as engine
+
+    def cnn(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+
+    x, y = torch.randn(5, 1, 6, 6), torch.randint(3, (5,))
+    batched, sequential = cnn(0), cnn(0)
+    opts = [FOOVB(batched, family, 4, seed=1), FOOVB(sequential, family, 4, seed=1)]
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "SampledNetwork", None)  # the stacked evaluation is not used
+        loss = opts[0].step_batched(x, y, F.cross_entropy)
+    assert loss == pytest.approx(opts[1].step(_closure(sequential, lambda m: F.cross_entropy(m(x), y))))
+    assert all_equal(posterior_snapshot(opts[0]), posterior_snapshot(opts[1]))
+    assert engine.stacking_is_slower(opts[0].blocks)
+    for block in opts[0].blocks:
+        block.state["mean"] = block.state["mean"].to("meta")
+    assert not engine.stacking_is_slower(opts[0].blocks)
+
+
 def test_step_batched_evaluates_wide_layers_one_sample_at_a_time(monkeypatch):
     """A diagonal layer of WIDE_LAYER weights or more: step_batched takes step(closure)'s route (measured faster),
     with step(closure)'s update; the paper's MLP (78,400 weights in its widest layer) stays stacked."""

@@ -95,7 +95,7 @@ def test_conv_block_samples_match_direct_formula(spec):
 
 @pytest.mark.parametrize("path", ["sequential", "batched"])
 @pytest.mark.parametrize("spec", CONVS)
-def test_conv_update_matches_im2col_statistics(spec, path):
+def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
     """One step on L = 1/2 ||conv(x) - T||^2 (summed): rebuild eps_k from the step's noise stream, compute each
     sample's gradient Psi_k = sum_rows Delta_r X_r^T from im2col (not autograd), and the paper's update:
     M <- M - B B^T E1 A A^T, Sigma_1 <- Lemma 2 with E2 = mean Psi^T B Phi / p, Sigma_2 with E3 = mean Psi A

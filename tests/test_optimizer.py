@@ -554,7 +554,7 @@ TOLERANCE = {F64: {"atol": 1e-10, "rtol": 1e-9}, torch.float32: {"atol": 1e-5, "
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("arch, family", [(a, f) for a in ARCHS for f in FAMILIES])
-def test_sequential_equals_batched(arch, family, dtype):
+def test_sequential_equals_batched(arch, family, dtype, always_stacked):
     model_ref, ref = _train(arch, family, "step", dtype=dtype)
     expected = posterior_snapshot(ref)
     for chunk in (1, 3, None):

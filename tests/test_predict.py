@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, PAPER, all_equal, mlp, mlp_batch, params_snapshot, posterior_snapshot
+from conftest import FAMILIES, PAPER, all_equal, cnn, cnn_batch, mlp, mlp_batch, params_snapshot, posterior_snapshot
 from torch import nn
 from torch.func import functional_call
 
@@ -214,3 +214,20 @@ def test_sampled_params_loads_a_sample_and_restores_the_mean(family):
             assert not all_equal(params_snapshot(model), mean)
             raise KeyError("boom")
     assert all_equal(params_snapshot(model), mean)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conv_model_samples_one_network_at_a_time_on_the_cpu(family, monkeypatch):
+    """A model with a Conv2d on the CPU: the sampled networks are evaluated one at a time (stacked, measured
+    slower there), with the draws and probabilities of the stacked route."""
+    model = cnn(seed=0)
+    opt = FOOVB(model, family, 3, std_init=0.05, seed=0, **PAPER)
+    opt.step(lambda: _loss_backward(model, *cnn_batch()))
+    x, _ = cnn_batch(seed=5, rows=3)
+    with monkeypatch.context() as patch:
+        patch.setattr(predict_module, "SampledNetwork", None)  # the stacked route is not taken
+        sequential = sample_probabilities(opt, x, K, seed=3)
+    monkeypatch.setattr(predict_module, "stacking_is_slower", lambda blocks: False)  # as on a GPU
+    stacked = sample_probabilities(opt, x, K, seed=3)
+    torch.testing.assert_close(sequential, stacked, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(stacked[0], stacked[1])  # K different networks

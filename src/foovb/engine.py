@@ -32,7 +32,9 @@ __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAY
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
 # slower than one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10
-# 1.37x). On a GPU stacking wins at every width measured (a step there is bound by kernel launches).
+# 1.37x), and so does any nn.Conv2d (K samples stacked are one grouped convolution: 1.2x on the vision mix's LeNet,
+# 1.5x on a small MNIST CNN, both families). On a GPU stacking wins at every width measured (a step there is bound
+# by kernel launches).
 WIDE_LAYER = 2**17
 
 _MASK64 = (1 << 64) - 1
@@ -434,11 +436,16 @@ def check_batched_step(opt: FOOVB, inputs: Tensor, targets: Tensor,
 
 
 def stacking_is_slower(blocks: list[PosteriorBlock]) -> bool:
-    """On the CPU: a layer whose samples are built whole (not a matrix-variate nn.Linear) with WIDE_LAYER elements
-    or more. Never on another device (a GPU: docs/performance.md, "On a GPU")."""
-    return any(block.state["mean"].device.type == "cpu"
-               and not (isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear))
-               and sum(p.numel() for p in block.params) >= WIDE_LAYER for block in blocks)
+    """On the CPU: an nn.Conv2d layer, or a layer whose samples are built whole (not a matrix-variate nn.Linear)
+    with WIDE_LAYER elements or more. Never on another device (a GPU: docs/performance.md, "On a GPU")."""
+    def slower(block: PosteriorBlock) -> bool:
+        if isinstance(block.module, nn.Conv2d):
+            return True
+        if isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear):
+            return False
+        return sum(p.numel() for p in block.params) >= WIDE_LAYER
+
+    return any(block.state["mean"].device.type == "cpu" and slower(block) for block in blocks)
 
 
 def closure_of(model: nn.Module, inputs: Tensor, targets: Tensor,

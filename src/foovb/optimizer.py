@@ -299,10 +299,10 @@ class FOOVB(torch.optim.Optimizer):
 
         loss_fn(outputs, targets) (default: cross-entropy, reduced as `loss_reduction` says) sees the K stacked
         outputs (K r rows) and the targets repeated K times; `chunk_size` samples per pass bound the memory
-        (default all K). The same update as `step` for the same seed. On the CPU, a layer whose sampled weight
-        has WIDE_LAYER elements or more (diagonal or full blocks, matrix-variate convolutions) makes the step go
-        one sample at a time, as `step` does (measured faster there; on a GPU every layer is stacked:
-        docs/performance.md). Returns the mean loss."""
+        (default all K). The same update as `step` for the same seed. On the CPU, an nn.Conv2d or a layer whose
+        sampled weight has WIDE_LAYER elements or more (diagonal or full blocks) makes the step go one sample at
+        a time, as `step` does (measured faster there; on a GPU every layer is stacked: docs/performance.md).
+        Returns the mean loss."""
         if self._pending is not None:
             raise RuntimeError("step_batched while sampled_params(train=True) blocks have started a step: call "
                                "step() without a closure to finish that one first")
