@@ -99,7 +99,7 @@ def update_share(x, y, k: int, repeats: int, sizes=(784, 100, 100, 10)) -> tuple
 
 def step_and_update_ms(opt: FOOVB, step, repeats: int, warmup: int = 3) -> tuple[float, float]:
     """Median ms of `step()` (a step of `opt`) and of its UPDATE alone, replayed from the last step's statistics
-    on the state before that update."""
+    on the posterior that step produced (the same shapes and ranks, so the same work)."""
     captured = {}
     original = opt._apply_update
 

@@ -7,6 +7,7 @@ import torch
 from conftest import make_generator, random_spd, random_sqrt
 from torch import Tensor
 
+import foovb.linalg as linalg_module
 from foovb.linalg import LowRank, left_singular_pairs, root_scale, solve_fixed_point, sqrt_covariance_update
 from foovb.posteriors import signed_root_scale
 
@@ -242,13 +243,14 @@ def test_float32_update_by_gram_route_matches_float64_svd_to_float32_precision()
 
 @pytest.mark.parametrize("seed", [0, 3])
 def test_float32_low_rank_update_matches_float64_to_float32_precision(seed):
-    """The low-rank route of a float32 factor (a thin QR and its products in float32, the decompositions in
-    float64): with N = A^T L^T C of rank 20 over n = 40, singular values from 2 down to 1e-10, the update matches
-    the float64 one of the same float32-rounded inputs to float32 rounding."""
+    """The low-rank route of a float32 factor (its products in float32, the QR and the decomposition in float64):
+    with N = A^T L^T C = Z C of rank 20 over n = 40, Z's singular values from 1 to 1e-4 and C's from 2 to 1e-10
+    (so ||R_Z|| ||C|| >> ||R_Z C||, where a float32 product R_Z C could lose digits), the update matches the
+    float64 one of the same float32-rounded inputs to float32 rounding."""
     g = make_generator(seed)
     n, rank = 40, 20
     a = random_sqrt(n, g)
-    z = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=F64))[0]  # (L A)^T, orthonormal columns
+    z = torch.linalg.qr(torch.randn(n, rank, generator=g, dtype=F64))[0] * torch.logspace(0, -4, rank, dtype=F64)
     left = torch.linalg.solve(a.T, z).T
     right = _matrix_with_singular_values((rank, n), torch.logspace(0.3, -10, rank, dtype=F64), g)
     low = LowRank(left.float(), right.float())
@@ -325,9 +327,9 @@ def test_low_rank_accumulates_then_collapses_to_dense(gen):
     for i, (left, right) in enumerate(pairs):
         acc.add(left, right)
         total += left.T @ right
-        if i < 2:  # ranks 2, 4 <= 2n/3 stay factored (DENSE_FRACTION)
+        if i < 2:  # ranks 2, 4 < n stay factored
             assert acc.dense is None and acc.rank == 2 * (i + 1)
-        else:  # rank 6 > 2n/3: collapsed
+        else:  # rank would reach n: collapsed
             assert acc.dense is not None and acc.left is None and acc.rank == 0
         torch.testing.assert_close(acc.to_dense(), total, atol=1e-12, rtol=1e-12)
     acc.add_dense(torch.eye(n, dtype=F64))
@@ -335,15 +337,21 @@ def test_low_rank_accumulates_then_collapses_to_dense(gen):
     torch.testing.assert_close(acc.scaled(0.5).to_dense(), 0.5 * (total + torch.eye(n, dtype=F64)))
 
 
-def test_low_rank_collapses_past_two_thirds_of_n(gen):
-    """Past rank 2n/3 the dense update is the cheaper (DENSE_FRACTION): 5 rows over n = 6 are stored dense."""
-    n = 6
-    for rows, factored in ((4, True), (5, False)):
-        acc = LowRank()
-        left, right = torch.randn(rows, n, generator=gen, dtype=F64), torch.randn(rows, n, generator=gen, dtype=F64)
-        acc.add(left, right)
-        assert (acc.dense is None) == factored
-        torch.testing.assert_close(acc.to_dense(), left.T @ right)
+@pytest.mark.parametrize("rank, route_rows", [(8, 8), (9, 10)])
+def test_sqrt_update_takes_the_dense_route_past_dense_fraction(rank, route_rows, monkeypatch):
+    """A low-rank statistic of rank r > DENSE_FRACTION n (0.85) is updated by the dense route (cheaper there):
+    over n = 10, rank 8 decomposes the 8 x 10 core, rank 9 the 10 x 10 N; both give the same update."""
+    g = make_generator(rank)
+    n = 10
+    a = random_sqrt(n, g)
+    left, right = torch.randn(rank, n, generator=g, dtype=F64), torch.randn(rank, n, generator=g, dtype=F64)
+    shapes = []
+    original = linalg_module.left_singular_pairs
+    monkeypatch.setattr(linalg_module, "left_singular_pairs",
+                        lambda m, gram: shapes.append(tuple(m.shape)) or original(m, gram=gram))
+    new = sqrt_covariance_update(a, LowRank(left, right))
+    assert shapes == [(route_rows, n)]
+    torch.testing.assert_close(new, sqrt_covariance_update(a, LowRank(dense=left.T @ right)), atol=1e-10, rtol=1e-10)
 
 
 def test_low_rank_identical_left_sums_right_factors(gen):

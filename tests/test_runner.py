@@ -552,8 +552,8 @@ def _write_learnable_idx_dataset(directory, seed: int, train: int = 96, test: in
 
 
 def test_vision_mix_task_aware_lenet_end_to_end(tmp_path, monkeypatch) -> None:
-    """Multi-head LeNet on two (synthetic stand-in) datasets through FOO-VB's batched Conv2d path; the learner
-    gets each batch's task id."""
+    """Multi-head LeNet on two (synthetic stand-in) datasets through FOO-VB's step_batched (one sample at a time
+    on the CPU, as for every Conv2d model); the learner gets each batch's task id."""
     tasks = _spy_on_observe(monkeypatch)
     for name, seed in (("fashion_mnist", 1), ("notmnist", 2)):
         _write_learnable_idx_dataset(tmp_path / "data" / name, seed)

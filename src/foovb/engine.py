@@ -32,9 +32,9 @@ __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAY
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
 # slower than one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10
-# 1.37x), and so does any nn.Conv2d (K samples stacked are one grouped convolution: 1.2x on the vision mix's LeNet,
-# 1.5x on a small MNIST CNN, both families). On a GPU stacking wins at every width measured (a step there is bound
-# by kernel launches).
+# 1.37x), and so does any nn.Conv2d (K samples stacked are one grouped convolution: a step 1.2x slower on the vision
+# mix's LeNet, 1.5x on a small MNIST CNN, both families, at 1 thread; the predictions 1.3-2x). On a GPU stacking
+# wins at every width measured (a step there is bound by kernel launches).
 WIDE_LAYER = 2**17
 
 _MASK64 = (1 << 64) - 1

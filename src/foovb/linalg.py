@@ -98,10 +98,11 @@ def solve_fixed_point(M: Tensor, T: Tensor, *, symmetry_tol: float | None = None
     return x.to(M.dtype)
 
 
-# A low-rank statistic of rank r over an n x n factor is collapsed to a dense one when r > DENSE_FRACTION n.
-# Measured (float32 factors, 1 thread, `sqrt_covariance_update`): the low-rank update costs 0.5-0.65 of the dense
-# one at r = 0.6 n and 1.4-1.6 at r = 0.75 n for n = 76, 200; 0.8 at 0.75 n and 1.5 at 0.9 n for n = 501, 1251.
-DENSE_FRACTION = 2 / 3
+# `sqrt_covariance_update` takes the dense route for a low-rank statistic of rank r > DENSE_FRACTION n.
+# Measured (float32 factors, 1 thread): the low-rank update over the dense one is 0.5-0.65 at r = 0.6 n and
+# 1.4-1.6 at r = 0.75 n for n = 76, 200 (a few ms either way); 0.8 at 0.75 n for n = 501 and 1251, then 1.5 at
+# 0.9 n for n = 501 and 0.95 for n = 1251, 1.3-1.7 at r = 0.99 n.
+DENSE_FRACTION = 0.85
 
 
 @dataclass
@@ -110,8 +111,7 @@ class LowRank:
 
     FOO-VB's estimates of E[g eps^T] are sums of few outer products: rank K for the full family (K Monte Carlo
     samples) and rank r (batch rows) for the input factor of the first Linear layer of a matrix-variate model.
-    Once the rank would pass `DENSE_FRACTION` n, the sum is collapsed to a dense matrix (kept in `dense`): from about
-    there on the dense update is the cheaper (`sqrt_covariance_update`).
+    Once the rank would reach n, the sum is collapsed to a dense matrix (kept in `dense`).
     """
 
     left: Tensor | None = None
@@ -128,7 +128,7 @@ class LowRank:
             self.right = self.right + right
             return
         n = left.shape[1]
-        if self.dense is None and self.rank + left.shape[0] <= DENSE_FRACTION * n:
+        if self.dense is None and self.rank + left.shape[0] < n:
             if self.left is None:
                 self.left, self.right = left, right
             else:
@@ -186,19 +186,18 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     A_new = A (I + U (h(s) - 1) U^T) where U, s are the left singular vectors / values of N = A^T T.
     A_new A_new^T = X X^T for Lemma 2's solution X of X X^T + V T X^T - V = 0 (see module docstring), so the
     posterior is the paper's. Uses a thin QR and the left singular pairs of an r x n matrix in O(n^2 r) when T
-    is low rank, those of N otherwise (`left_singular_pairs`). The decompositions run in `dtype` (float64);
-    the O(n^2 r) and O(n r^2) products in A's own dtype, whose precision is that of the stored factor anyway.
-    For a float32 A they use the Gram route: its error in A_new, about 1e-8 s_max relative (h is 1-Lipschitz),
-    stays below float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2); a float64 A
-    gets SVDs.
-    `gram` overrides that choice. Measured at width 1000 (benchmarks/update_routes.py): decomposing in float32
-    makes the UPDATE 10% (SVD) to 36% (Gram) faster there but its error 2.5 to 33 times larger, beyond the
-    tests' float32 bound (docs/performance.md), so it is not used.
+    is low rank (r <= DENSE_FRACTION n), those of N otherwise (`left_singular_pairs`). The decompositions run in
+    `dtype` (float64); the O(n^2 r) and O(n r^2) products in A's own dtype, whose precision is that of the stored
+    factor anyway. For a float32 A they use the Gram route: its error in A_new, about 1e-8 s_max relative (h is
+    1-Lipschitz), stays below float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2);
+    a float64 A gets SVDs. `gram` overrides that choice. Measured at width 1000 (benchmarks/update_routes.py):
+    decomposing in float32 makes the UPDATE 10% (SVD) to 36% (Gram) faster there but its error 2.5 to 33 times
+    larger, beyond the tests' float32 bound (docs/performance.md), so it is not used.
     """
     if gram is None:
         gram = sqrt_cov.dtype != torch.float64  # Gram route for float32 / float16 factors
     a = sqrt_cov
-    if t.dense is not None:
+    if t.dense is not None or t.rank > DENSE_FRACTION * a.shape[0]:  # the dense route, cheaper there
         u, s = left_singular_pairs((a.T @ t.to_dense().to(a.dtype)).to(dtype), gram=gram)
     else:
         # N = A^T L^T C = Z C with Z = (L A)^T (n x r); Z = Q_Z R_Z, so N = Q_Z (R_Z C), and the small r x n

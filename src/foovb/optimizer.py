@@ -298,7 +298,8 @@ class FOOVB(torch.optim.Optimizer):
         """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv2d models).
 
         loss_fn(outputs, targets) (default: cross-entropy, reduced as `loss_reduction` says) sees the K stacked
-        outputs (K r rows) and the targets repeated K times; `chunk_size` samples per pass bound the memory
+        outputs (K r rows) and the targets repeated K times, or one sample's r rows where the step goes one sample
+        at a time (below): it must be a sum or a mean over rows; `chunk_size` samples per pass bound the memory
         (default all K). The same update as `step` for the same seed. On the CPU, an nn.Conv2d or a layer whose
         sampled weight has WIDE_LAYER elements or more (diagonal or full blocks) makes the step go one sample at
         a time, as `step` does (measured faster there; on a GPU every layer is stacked: docs/performance.md).
