@@ -4,7 +4,8 @@ python scripts/mesu_clip_probe.py CLIP OUT [--set key=value ...]   (from the rep
 
 Runs configs/mesu_protocol_foovb_diagonal.yaml at 2 epochs per task with both gradient estimates of the diagonal
 update, E[g] and E[g eps], clipped to [-CLIP/sigma, CLIP/sigma] per weight (docs/results.md, "MESU on its own
-protocol"). A probe, not a library option.
+protocol"); `--set learner.params.std_growth=paper` lets sigma widen where E[g eps] < 0, as MESU's sigma step does.
+A probe, not a library option.
 """
 
 import sys
@@ -12,7 +13,7 @@ import sys
 import torch
 
 from foovb.linalg import root_scale
-from foovb.posteriors import DiagonalBlock
+from foovb.posteriors import DiagonalBlock, signed_root_scale
 from foovb_suite.cli import main
 
 clip = float(sys.argv[1])
@@ -24,8 +25,13 @@ def clipped_update(self, stats, num_samples, mean_step, cov_step):
     grad_mean = torch.maximum(torch.minimum(stats["grad_sum"] / num_samples, bound), -bound)
     grad_noise_mean = torch.maximum(torch.minimum(stats["grad_noise_sum"] / num_samples, bound), -bound)
     self.state["mean"].addcmul_(std.square(), grad_mean, value=-mean_step)
-    assert self.std_growth == "none" and not self.cov_momentum
-    std.mul_(root_scale((std * grad_noise_mean * cov_step).abs_()))
+    assert not self.cov_momentum
+    if self.std_growth == "none":  # Lemma 2's root: sigma only contracts
+        std.mul_(root_scale((std * grad_noise_mean * cov_step).abs_()))
+    else:  # --set learner.params.std_growth=paper (or capped): the positive root, which widens sigma where E[g eps] < 0
+        std.mul_(signed_root_scale(std * grad_noise_mean * cov_step))
+        if self.std_growth == "capped":
+            std.clamp_(max=self.std_init)
 
 
 DiagonalBlock.update = clipped_update
