@@ -20,13 +20,10 @@ A probe, not a library option. Resume a stopped probe with its own command plus 
 """
 
 import argparse
-import math
 import sys
 
-import torch
-from torch import nn
+from mesu_prior_probe import use_mesu_initialisation  # this directory, first on sys.path when run as a script
 
-import foovb.priors
 from foovb.linalg import root_scale
 from foovb.posteriors import DiagonalBlock
 from foovb_suite.cli import main
@@ -53,17 +50,7 @@ def mesu_block_update(self, stats, num_samples, mean_step, cov_step):
 
 DiagonalBlock.update = mesu_block_update
 if args.init == "mesu":
-    def mesu_std(param: torch.Tensor, module: nn.Module | None = None) -> float:
-        return 2 / math.sqrt(param[0].numel() if param.dim() > 1 else param.numel())
-
-    def mesu_weights(self: nn.Linear) -> None:
-        bound = 4 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
-
-    foovb.priors.xavier_std = mesu_std  # what std_init="xavier" (the default) resolves each layer's std with
-    nn.Linear.reset_parameters = mesu_weights
+    use_mesu_initialisation(means=True)
 
 sys.argv = ["foovb", "run", "configs/mesu_protocol_foovb_diagonal.yaml", "--out", args.out, "--no-progress",
             "--set", "threads=1", "--set", "scenario.epochs_per_task=2", "--set", "learner.params.antithetic=false",

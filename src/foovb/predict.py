@@ -68,6 +68,17 @@ class _EvalMode:
             module.training = training
 
 
+def _stacks_samples(optimizer: FOOVB) -> bool:
+    """Whether the sampled networks are evaluated stacked: the model supports it and it is not slower here."""
+    if stacking_is_slower(optimizer.blocks):
+        return False
+    try:
+        check_batched_support(optimizer.blocks, optimizer.model)
+    except ValueError:
+        return False
+    return True
+
+
 @torch.no_grad()
 def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, seed: int = 0,
                          chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Tensor:
@@ -76,8 +87,7 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     Uses the batched path when the model allows it (nn.Linear / nn.Conv2d parameters) and, on the CPU, has
     neither an nn.Conv2d nor a wide layer (`engine.stacking_is_slower`: stacked, conv nets' predictions were
     measured 1.3-2x slower than one network at a time, a 784-1000-1000-10 MLP's 1.2x); else loads the samples
-    one at a time. `seed` fixes the draws
-    (independent of the training noise stream), the same on both routes.
+    one at a time. `seed` fixes the draws (independent of the training noise stream), the same on both routes.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be positive, got {num_samples}")
@@ -85,13 +95,7 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     model, rows = optimizer.model, inputs.shape[0]
     with _EvalMode(model):
-        stacked = not stacking_is_slower(optimizer.blocks)
-        if stacked:
-            try:
-                check_batched_support(optimizer.blocks, model)
-            except ValueError:
-                stacked = False
-        if not stacked:  # one network at a time, the same draws as the batched route
+        if not _stacks_samples(optimizer):  # one network at a time, the same draws as the batched route
             noises = optimizer.draw_noise(seed, range(num_samples))
             outputs = []
             try:
