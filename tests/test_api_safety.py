@@ -44,6 +44,11 @@ WEIGHT = torch.tensor([0.5, 1.0, 2.0])
     (lambda out: F.cross_entropy(out, Y, reduction="none").sum(), "sum", 8, math.nan),
     (lambda out: F.cross_entropy(out, Y, reduction="none").sum() / 8, "mean", 8, math.nan),
     (lambda out: F.cross_entropy(out, Y).sum(), "mean", 8, math.nan),  # the sum of one mean is the mean
+    (lambda out: F.cross_entropy(out, Y).mean(), "mean", 8, math.nan),  # so is its mean
+    (lambda out: (F.cross_entropy(out, Y) + out.square().sum()).mean(), "AddBackward0", math.nan, 8),
+    # the per-example loss of a batch of one row: its sum and its mean are the sum over 1 row
+    (lambda out: F.cross_entropy(out[:1], Y[:1], reduction="none").sum(), "sum", 1, math.nan),
+    (lambda out: F.cross_entropy(out[:1], Y[:1], reduction="none").mean(), "mean", 1, math.nan),
     (lambda out: F.cross_entropy(out, Y) / 1, "mean", 8, math.nan),  # Lightning's division by accumulate_grad_batches
     (lambda out: F.cross_entropy(out, Y) / 2, "mean", 8, math.nan),  # a mean of halved terms
     (lambda out: F.cross_entropy(out, Y) * torch.tensor(3.0), "mean", 8, math.nan),

@@ -117,8 +117,14 @@ def test_non_finite_or_moved_weights_written_after_construction_are_errors():
 # -- how the loss was reduced ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("loss_fn", "summed"), [
-    # a .sum() over a one-element mean: the mean
+    # a .sum() or .mean() over a one-element mean, also reshaped, cloned or cast: the mean (a .mean() was read as a
+    # mean over 1 term: steps batch-size times too small, silently)
     (lambda out, y: F.cross_entropy(out, y).sum(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).mean(), summed_ce),
+    (lambda out, y: torch.nn.CrossEntropyLoss()(out, y).reshape(1).mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).clone().view(1).squeeze(), summed_ce),
+    (lambda out, y: F.cross_entropy(out.double(), y).float(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y, reduction="sum").mean(), summed_ce),
     # label smoothing keeps a mean over the batch
     (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
      lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="sum")),
@@ -156,6 +162,15 @@ def test_a_constant_times_a_mean_is_refused_with_both_readings_and_each_fix_work
     opt = FOOVB(model, "diagonal", 4, seed=3)
     opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) / 2), batch_size=8)
     assert_same_posterior(opt, one_step(lambda out, y: summed_ce(out, y) / 2, loss_reduction="sum"))
+
+
+def test_a_loss_multiplied_by_a_non_finite_constant_is_named_as_such():
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match="the loss is multiplied by nan"):
+        opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * float("nan")))
+    assert all_equal(posterior_snapshot(opt), before)
 
 
 def test_a_mean_over_a_stack_of_means_is_refused():

@@ -33,9 +33,14 @@ def xavier_std(param: Tensor, module: nn.Module | None = None) -> float:
     """sqrt(2 / (fan_in + fan_out)) of `param`, the prior std that std_init="xavier" gives it.
 
     The fans are the tensor's own when it has two or more dimensions, else those of the first parameter of two or
-    more dimensions of its module (a Linear/Conv bias takes its weight's). A parameter with neither (the scale and
-    shift of a norm layer, a scalar) or with no elements takes the paper's sigma_init, 0.047.
+    more dimensions of its module (a Linear/Conv bias takes its weight's). An embedding table (nn.Embedding,
+    nn.EmbeddingBag) is a Linear layer on one-hot inputs: fan_in 1, fan_out its embedding_dim. A parameter with
+    neither (the scale and shift of a norm layer, a scalar) or with no elements takes the paper's sigma_init, 0.047.
     """
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and param is module.weight and param.numel():
+        # a Linear layer on one-hot inputs: each output row sees one active input, so fan_in is 1 (not the
+        # vocabulary's size, which would make the std of a 20,000-word table 0.01 and its rows barely move)
+        return math.sqrt(2.0 / (1 + module.embedding_dim))
     candidates = [param] if param.ndim >= 2 else [p for p in (module.parameters(recurse=False) if module else ())
                                                    if p.ndim >= 2]
     if not candidates or candidates[0].numel() == 0:

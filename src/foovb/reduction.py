@@ -10,7 +10,8 @@ only what it can tell for sure, and everything else is an error that names the o
   (label smoothing): the gradients are multiplied by n (the step of the summed loss, `loss / 2` of a halved one);
 - a loss function's `reduction="sum"` (also with label smoothing): taken as L_n;
 - a `.sum()` over a tensor with one leading row per row of the model's input (per-example losses): taken as L_n;
-  a `.sum()` of a one-element tensor is looked through (`F.cross_entropy(out, y).sum()` is the mean);
+  a `.sum()` or `.mean()` of a one-element tensor, and a reshape, clone or cast of one, is looked through
+  (`F.cross_entropy(out, y).sum()` and `.mean()` are the mean);
 - anything else (a mean plus a regulariser, a `.sum()` over a stack of losses, over more or fewer rows than the
   batch has) is an error.
 """
@@ -28,6 +29,11 @@ __all__ = ["LossReduction", "loss_reduction_of", "loss_scale"]
 
 _SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0")
 _COMBINATIONS = ("AddBackward0", "SubBackward0")
+# operations that give the same value when applied to a one-element tensor (the loss and every node _read
+# reaches through a constant or a combination has one element)
+_SHAPE_ONLY = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
+               "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3", "CloneBackward0",
+               "ToCopyBackward0", "AliasBackward0")
 
 
 class LossReduction(NamedTuple):
@@ -89,10 +95,16 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor == found.terms:
             return LossReduction("mean", found.terms)
         return found._replace(factor=found.factor * constant[1])
-    if name.startswith("SumBackward"):
+    if name in _SHAPE_ONLY and depth < 16:  # a one-element tensor reshaped, cloned or cast: itself
+        return _read(node.next_functions[0][0], depth + 1)
+    if name.startswith(("SumBackward", "MeanBackward")):
         sizes = tuple(node._saved_self_sym_sizes)
-        if math.prod(sizes) == 1 and depth < 16:  # the sum of a one-element tensor: itself
-            return _read(node.next_functions[0][0], depth + 1)
+        if math.prod(sizes) == 1 and depth < 16:  # the sum or mean of a one-element tensor: itself
+            inner = _read(node.next_functions[0][0], depth + 1)
+            if inner.kind in ("mean", "sum") or not math.isnan(inner.mean_inside):
+                return inner  # F.cross_entropy(out, y).mean() is the mean, not a mean over 1 term
+            # else the per-example loss of a batch of one row
+    if name.startswith("SumBackward"):
         source = type(node.next_functions[0][0]).__name__
         if source in ("StackBackward0", "CatBackward0"):  # a sum over a list of losses, not over examples
             return LossReduction(f"a .sum() over a {source[:-9].lower()} of values", math.nan)
@@ -145,6 +157,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     """
     kind, terms, mean_inside, factor = reduction if reduction is not None else ("no backward() seen", math.nan,
                                                                                  math.nan, 1.0)
+    if not math.isfinite(factor):
+        raise ValueError(f"the loss is multiplied by {factor}: every gradient is non-finite")
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
