@@ -38,6 +38,9 @@ def test_a_config_is_a_file_path_or_a_bundled_name(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp_path)
         assert config_path("myconf") == Path("myconf") and config_path("./myconf") == Path("myconf")
+        # the repository's path to a bundled config, outside a checkout: the error names the bundled name
+        with pytest.raises(ConfigError, match=r"configs/demo.yaml does not exist; .*`foovb run demo`"):
+            config_path("configs/demo.yaml")
     assert main(["run", "dem", "--out", str(tmp_path / "run")]) == 2
     assert not (tmp_path / "run").exists()
 
@@ -55,6 +58,24 @@ def test_version_and_python_dash_m():
     result = subprocess.run([sys.executable, "-m", "foovb_suite", "--version"], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == f"foovb {foovb.__version__}"
+
+
+@pytest.mark.parametrize("missing", ["numpy", "yaml"])
+def test_the_command_without_the_suite_extra_names_the_extra(missing):
+    """`pip install foovb` installs the command but not the suite's dependencies: one error line, no traceback."""
+    blocked = f"import sys; sys.modules[{missing!r}] = None; import runpy; runpy.run_module('foovb_suite')"
+    result = subprocess.run([sys.executable, "-c", blocked, "--help"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr  # (torch itself warns that it found no NumPy)
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"foovb: error: the foovb command needs the suite's dependencies ({missing} is not installed): "
+        "pip install 'foovb[suite]'")
+
+
+def test_the_entry_point_is_the_guarded_command():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["foovb"] == "foovb_suite.command:main"
 
 
 def test_the_wheel_declares_the_package_data_it_needs():

@@ -124,7 +124,7 @@ def test_bad_config_names_the_key(change: dict, key: str) -> None:
 
 def test_overrides_and_yaml_file(tmp_path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("name: x\nscenario: {num_tasks: 3}\n")
+    path.write_text("name: x\nscenario: {kind: discrete_permuted_mnist, num_tasks: 3}\nlearner: {kind: foovb}\n")
     config = load_config(path, ["scenario.batch_size=32", "learner.params={mc_samples: 2}"])
     assert (config.scenario.num_tasks, config.scenario.batch_size) == (3, 32)
     assert config.learner.params == {"mc_samples": 2}
@@ -132,9 +132,28 @@ def test_overrides_and_yaml_file(tmp_path) -> None:
         load_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize(("text", "overrides", "message"), [
+    ("", [], r"scenario.kind: .* does not name its scenario"),  # the defaults alone: a paper-scale run of hours
+    ("name: x\nlearner: {kind: sgd}\n", [], r"scenario.kind: .* does not name its scenario"),
+    ("scenario: {kind: split_mnist}\n", [], r"learner.kind: .* does not name its learner"),
+    ("- a\n- b\n", ["seed=1"], r"config: expected a mapping, got \['a', 'b'\]"),
+    ("just a string\n", ["seed=1"], "config: expected a mapping"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["=3"], r"--set '=3': empty key"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["scenario..kind=x"], "empty key"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["scenario=3"], "^scenario: expected a mapping, got 3"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["name=../../escape"], "name: expected a plain name"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["name=.."], "name: expected a plain name"),
+])
+def test_config_files_that_are_not_complete_runs_are_errors(tmp_path, text, overrides, message) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, overrides)
+
+
 def test_a_set_value_keeps_its_equals_signs(tmp_path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("name: x\n")
+    path.write_text("name: x\nscenario: {kind: split_mnist, num_tasks: 5}\nlearner: {kind: sgd}\n")
     assert load_config(path, ["name=a=b"]).name == "a=b"
     assert apply_overrides({}, ["learner.params.tag=k=v=w"]) == {"learner": {"params": {"tag": "k=v=w"}}}
 
@@ -518,7 +537,7 @@ def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monke
 
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:
     config = tmp_path / "bad.yaml"
-    config.write_text("scenario: {batch_size: -3}\n")
+    config.write_text("scenario: {kind: split_mnist, batch_size: -3}\nlearner: {kind: sgd}\n")
     assert main(["run", str(config), "--out", str(tmp_path / "x")]) == 2
     assert "scenario.batch_size" in capsys.readouterr().err
 

@@ -1,7 +1,7 @@
-"""`python -m foovb ...` is the `foovb` command."""
+"""`python -m foovb_suite ...` is the `foovb` command."""
 
 import sys
 
-from .cli import main
+from .command import main
 
 sys.exit(main())

@@ -36,9 +36,12 @@ def config_path(config: str) -> Path:
     """``config`` as given when it is an existing file or looks like a path (a directory part or a suffix),
     else the bundled config of that name: ``foovb run demo`` works from any directory after ``pip install``."""
     path = Path(config)
+    bundled = bundled_configs()
+    if not path.exists() and path.suffix == ".yaml" and path.stem in bundled:  # `configs/demo.yaml` outside a checkout
+        raise ConfigError(f"config file {path} does not exist; the bundled config of that name runs with "
+                          f"`foovb run {path.stem}` from any directory")
     if path.is_file() or path.suffix or len(path.parts) > 1 or config.startswith("."):
         return path
-    bundled = bundled_configs()
     if config not in bundled:
         raise ConfigError(f"{config!r} is neither a file nor a bundled config; the bundled ones "
                           f"(foovb configs): {', '.join(bundled)}")

@@ -150,7 +150,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -173,6 +173,8 @@ def _positive(key: str, value: int | None) -> None:
 
 def validate(config: Config) -> Config:
     """Value checks that do not need data (types are checked when parsing)."""
+    if not config.name.strip() or config.name in (".", "..") or any(sep in config.name for sep in "/\\"):
+        raise ConfigError(f"name: expected a plain name (the run's folder under runs/), got {config.name!r}")
     s = config.scenario
     if s.kind not in SCENARIOS:
         raise ConfigError(f"scenario.kind: unknown scenario {s.kind!r} (known: {', '.join(SCENARIOS)})")
@@ -242,12 +244,16 @@ def protocol_of(config: Config) -> dict[str, Any]:
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `key.sub=value` overrides (value parsed as YAML) to a raw config mapping."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping, got {data!r}")
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set {item!r}: empty key")
         node = data
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -269,5 +275,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = _parse_yaml(path.read_text(), str(path)) or {}
-    return config_from_dict(apply_overrides(data, overrides or []))
+    data = apply_overrides(_parse_yaml(path.read_text(), str(path)) or {}, overrides or [])
+    for section, example in (("scenario", "discrete_permuted_mnist"), ("learner", "foovb")):
+        if section not in data or isinstance(data[section], dict) and "kind" not in data[section]:
+            # the defaults alone are a paper-scale run of hours: a file must say what it runs
+            raise ConfigError(f"{section}.kind: {path} does not name its {section} (e.g. {section}: {{kind: "
+                              f"{example}}}); `foovb configs` lists complete configs to copy")
+    return config_from_dict(data)
