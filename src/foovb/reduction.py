@@ -157,8 +157,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     """
     kind, terms, mean_inside, factor = reduction if reduction is not None else ("no backward() seen", math.nan,
                                                                                  math.nan, 1.0)
-    if not math.isfinite(factor):
-        raise ValueError(f"the loss is multiplied by {factor}: every gradient is non-finite")
+    if not math.isfinite(factor):  # a non-finite loss: the update refuses it (FloatingPointError), whatever its scale
+        return 1.0
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
