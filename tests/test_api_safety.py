@@ -11,6 +11,7 @@ from torch import nn
 
 from foovb import FOOVB
 from foovb.optimizer import PRESETS, loss_reduction_of
+from foovb.reduction import loss_scale
 
 
 def _closure(model, loss_fn, detach=False):
@@ -46,9 +47,6 @@ WEIGHT = torch.tensor([0.5, 1.0, 2.0])
     (lambda out: F.cross_entropy(out, Y).sum(), "mean", 8, math.nan),  # the sum of one mean is the mean
     (lambda out: F.cross_entropy(out, Y).mean(), "mean", 8, math.nan),  # so is its mean
     (lambda out: (F.cross_entropy(out, Y) + out.square().sum()).mean(), "AddBackward0", math.nan, 8),
-    # the per-example loss of a batch of one row: its sum and its mean are the sum over 1 row
-    (lambda out: F.cross_entropy(out[:1], Y[:1], reduction="none").sum(), "sum", 1, math.nan),
-    (lambda out: F.cross_entropy(out[:1], Y[:1], reduction="none").mean(), "mean", 1, math.nan),
     (lambda out: F.cross_entropy(out, Y) / 1, "mean", 8, math.nan),  # Lightning's division by accumulate_grad_batches
     (lambda out: F.cross_entropy(out, Y) / 2, "mean", 8, math.nan),  # a mean of halved terms
     (lambda out: F.cross_entropy(out, Y) * torch.tensor(3.0), "mean", 8, math.nan),
@@ -62,6 +60,21 @@ def test_loss_reduction_is_read_from_the_loss(loss_fn, kind, terms, mean_inside)
     assert found.kind == kind
     assert found.terms == pytest.approx(terms, nan_ok=True)
     assert found.mean_inside == pytest.approx(mean_inside, nan_ok=True)
+
+
+@pytest.mark.parametrize("reduce", [torch.sum, torch.mean])
+def test_a_one_element_sum_or_mean_of_an_unread_loss_is_the_loss_of_a_batch_of_one_row_only(reduce):
+    """The per-example loss of a batch of one row, summed or averaged, is L_n; the same reduction of anything
+    else that has one element (loss.clamp(max=50).sum(), losses[:1].mean() of a larger batch) is refused, even
+    when the closure also called the model on one row."""
+    per_example = reduce(F.cross_entropy(mlp()(X[:1]), Y[:1], reduction="none"))
+    assert loss_scale(loss_reduction_of(per_example), "auto", None, frozenset({1})) == 1.0
+    for loss, operation in ((per_example, "NllLossBackward0"),
+                            (reduce(F.cross_entropy(mlp()(X), Y).clamp(max=50)), "ClampBackward1"),
+                            (reduce(F.cross_entropy(mlp()(X), Y, reduction="none")[:1]), "SliceBackward0")):
+        for rows in ({8}, {8, 1}):
+            with pytest.raises(ValueError, match=f"its last operation: {operation}"):
+                loss_scale(loss_reduction_of(loss), "auto", None, frozenset(rows))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

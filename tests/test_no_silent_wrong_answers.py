@@ -125,6 +125,8 @@ def test_non_finite_or_moved_weights_written_after_construction_are_errors():
     (lambda out, y: F.cross_entropy(out, y).clone().view(1).squeeze(), summed_ce),
     (lambda out, y: F.cross_entropy(out.double(), y).float(), summed_ce),
     (lambda out, y: F.cross_entropy(out, y, reduction="sum").mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).expand(1).mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).view(1, 1).t().repeat(1, 1).mean(), summed_ce),
     # label smoothing keeps a mean over the batch
     (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
      lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="sum")),
@@ -172,6 +174,24 @@ def test_a_loss_multiplied_by_a_non_finite_constant_is_a_non_finite_loss():
     with pytest.raises(FloatingPointError, match="non-finite values in the"):
         opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * float("nan")))
     assert all_equal(posterior_snapshot(opt), before)
+
+
+def test_a_gradient_given_to_backward_scales_the_loss():
+    """loss.backward(g) gives the gradients of g * loss: g = 2 was ignored (a step twice too large, silently)."""
+    def closure_with_gradient(model, value):
+        def closure():
+            loss = F.cross_entropy(model(X), Y)
+            loss.backward(torch.tensor(value))
+            return loss
+        return closure
+
+    model = mlp()
+    with pytest.raises(ValueError, match="the loss is 2 times a mean over 8 terms"):
+        FOOVB(model, "diagonal", 4).step(closure_with_gradient(model, 2.0))
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure_with_gradient(model, 1.0))
+    assert_same_posterior(opt, one_step(summed_ce))
 
 
 def test_a_mean_over_a_stack_of_means_is_refused():

@@ -60,15 +60,18 @@ def test_version_and_python_dash_m():
     assert result.stdout.strip() == f"foovb {foovb.__version__}"
 
 
-@pytest.mark.parametrize("missing", ["numpy", "yaml"])
-def test_the_command_without_the_suite_extra_names_the_extra(missing):
+@pytest.mark.parametrize(("missing", "distribution", "command"), [
+    ("numpy", "numpy", ["--help"]), ("yaml", "PyYAML", ["--help"]),
+    ("matplotlib", "matplotlib", ["plot", "missing.csv"]),  # imported late, by the plots
+])
+def test_the_command_without_the_suite_extra_names_the_extra(missing, distribution, command, tmp_path):
     """`pip install foovb` installs the command but not the suite's dependencies: one error line, no traceback."""
     blocked = f"import sys; sys.modules[{missing!r}] = None; import runpy; runpy.run_module('foovb_suite')"
-    result = subprocess.run([sys.executable, "-c", blocked, "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", blocked, *command], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr  # (torch itself warns that it found no NumPy)
     assert result.stderr.strip().splitlines()[-1] == (
-        f"foovb: error: the foovb command needs the suite's dependencies ({missing} is not installed): "
+        f"foovb: error: the foovb command needs the suite's dependencies ({distribution} is not installed): "
         "pip install 'foovb[suite]'")
 
 

@@ -10,8 +10,10 @@ only what it can tell for sure, and everything else is an error that names the o
   (label smoothing): the gradients are multiplied by n (the step of the summed loss, `loss / 2` of a halved one);
 - a loss function's `reduction="sum"` (also with label smoothing): taken as L_n;
 - a `.sum()` over a tensor with one leading row per row of the model's input (per-example losses): taken as L_n;
-  a `.sum()` or `.mean()` of a one-element tensor, and a reshape, clone or cast of one, is looked through
-  (`F.cross_entropy(out, y).sum()` and `.mean()` are the mean);
+  a `.sum()` or `.mean()` of a one-element tensor, and a reshape, clone, cast, expand or transpose of one, is
+  looked through (`F.cross_entropy(out, y).sum()` and `.mean()` are the mean); where the tensor under it cannot be
+  read, it is the loss of a batch of one row (per-example losses), and an error for any other batch;
+- `loss.backward(g)` of a scalar g: the loss times g;
 - anything else (a mean plus a regulariser, a `.sum()` over a stack of losses, over more or fewer rows than the
   batch has) is an error.
 """
@@ -31,9 +33,11 @@ _SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "Ne
 _COMBINATIONS = ("AddBackward0", "SubBackward0")
 # operations that give the same value when applied to a one-element tensor (the loss and every node _read
 # reaches through a constant or a combination has one element)
+# (not a slice or an index, whose input may be larger: losses[:1])
 _SHAPE_ONLY = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
                "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3", "CloneBackward0",
-               "ToCopyBackward0", "AliasBackward0")
+               "ToCopyBackward0", "AliasBackward0", "ExpandBackward0", "RepeatBackward0", "PermuteBackward0",
+               "TBackward0", "TransposeBackward0")
 
 
 class LossReduction(NamedTuple):
@@ -51,6 +55,7 @@ class LossReduction(NamedTuple):
     terms: float
     mean_inside: float = math.nan
     factor: float = 1.0  # a constant the reduction was multiplied by (loss / 2: 0.5)
+    of_one_row: str = ""  # "sum" / "mean" of a one-element tensor made by `kind`: a batch's loss if it has one row
 
 
 def _constant_operand(node: object) -> tuple[object, float] | None:
@@ -61,16 +66,21 @@ def _constant_operand(node: object) -> tuple[object, float] | None:
         return node.next_functions[0][0], 1.0
     if name in ("MulBackward1", "DivBackward1"):  # by a Python number
         value = float(node._saved_other)
-        return node.next_functions[0][0], value if name == "MulBackward1" else 1 / value
+        return node.next_functions[0][0], value if name == "MulBackward1" else _inverse(value)
     if name in ("MulBackward0", "DivBackward0"):
         first, second = node.next_functions[0][0], node.next_functions[1][0]
         if second is None and getattr(node, "_saved_other", None) is not None and node._saved_other.numel() == 1:
             value = float(node._saved_other)
-            return first, value if name == "MulBackward0" else 1 / value
+            return first, value if name == "MulBackward0" else _inverse(value)
         if name == "MulBackward0" and first is None and getattr(node, "_saved_self", None) is not None \
                 and node._saved_self.numel() == 1:
             return second, float(node._saved_self)
     return None
+
+
+def _inverse(value: float) -> float:
+    """1 / value; a division by 0 makes a non-finite loss (inf), refused as such."""
+    return 1 / value if value else math.inf
 
 
 def _divisor(node: object) -> float | None:
@@ -99,11 +109,14 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         return _read(node.next_functions[0][0], depth + 1)
     if name.startswith(("SumBackward", "MeanBackward")):
         sizes = tuple(node._saved_self_sym_sizes)
-        if math.prod(sizes) == 1 and depth < 16:  # the sum or mean of a one-element tensor: itself
+        if math.prod(sizes) == 1:  # the sum or mean of a one-element tensor: itself
+            if depth >= 16:
+                return LossReduction("a graph too deep to read", math.nan)
             inner = _read(node.next_functions[0][0], depth + 1)
             if inner.kind in ("mean", "sum") or not math.isnan(inner.mean_inside):
                 return inner  # F.cross_entropy(out, y).mean() is the mean, not a mean over 1 term
-            # else the per-example loss of a batch of one row
+            # the per-example loss of a batch of one row, or something unread (loss.clamp(max=50).sum())
+            return inner._replace(of_one_row="sum" if name.startswith("Sum") else "mean")
     if name.startswith("SumBackward"):
         source = type(node.next_functions[0][0]).__name__
         if source in ("StackBackward0", "CatBackward0"):  # a sum over a list of losses, not over examples
@@ -155,8 +168,13 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
-    kind, terms, mean_inside, factor = reduction if reduction is not None else ("no backward() seen", math.nan,
-                                                                                 math.nan, 1.0)
+    kind, terms, mean_inside, factor, of_one_row = reduction if reduction is not None else LossReduction(
+        "no backward() seen", math.nan)
+    if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
+        kind, terms = of_one_row, 1.0
+    if factor == 0:
+        raise ValueError("the loss is multiplied by 0: its gradients are zero, and FOO-VB needs those of the "
+                         "batch's negative log-likelihood")
     if not math.isfinite(factor):  # a non-finite loss: the update refuses it (FloatingPointError), whatever its scale
         return 1.0
     batch = next(iter(rows)) if len(rows) == 1 else None
@@ -279,7 +297,16 @@ class LossSpy(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if func in (Tensor.backward, torch.autograd.backward) and args and isinstance(args[0], Tensor):
-            self.reductions.append(loss_reduction_of(args[0]))
+            reduction = loss_reduction_of(args[0])
+            gradient = args[1] if len(args) > 1 else (kwargs or {}).get(
+                "gradient" if func is Tensor.backward else "grad_tensors")
+            if isinstance(gradient, (list, tuple)) and len(gradient) == 1:
+                gradient = gradient[0]
+            if gradient is not None:  # loss.backward(g) gives the gradients of g * loss
+                reduction = (reduction._replace(factor=reduction.factor * float(gradient))
+                             if isinstance(gradient, Tensor) and gradient.numel() == 1 else
+                             LossReduction("backward() with a gradient of several elements", math.nan))
+            self.reductions.append(reduction)
             self.losses.append(float(args[0].detach().sum()))  # backward(gradient) of a non-scalar: its sum
         return func(*args, **(kwargs or {}))
 

@@ -19,7 +19,7 @@ import torch
 
 from foovb import __version__
 
-from .config import ConfigError, config_from_dict, load_config, protocol_of
+from .config import ConfigError, config_from_dict, default_run_dir, load_config, protocol_of
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
 from .rundir import CheckpointError
 
@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     from .runner import TrainingDiverged, run
 
     config = load_config(config_path(args.config), args.set)
-    run_dir = Path(args.out) if args.out else Path("runs") / config.name
+    run_dir = Path(args.out) if args.out else default_run_dir(config)
     try:
         summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
     except TrainingDiverged as error:

@@ -173,8 +173,6 @@ def _positive(key: str, value: int | None) -> None:
 
 def validate(config: Config) -> Config:
     """Value checks that do not need data (types are checked when parsing)."""
-    if not config.name.strip() or config.name in (".", "..") or any(sep in config.name for sep in "/\\"):
-        raise ConfigError(f"name: expected a plain name (the run's folder under runs/), got {config.name!r}")
     s = config.scenario
     if s.kind not in SCENARIOS:
         raise ConfigError(f"scenario.kind: unknown scenario {s.kind!r} (known: {', '.join(SCENARIOS)})")
@@ -219,6 +217,15 @@ def validate(config: Config) -> Config:
     for i, width in enumerate(config.model.hidden):
         _positive(f"model.hidden[{i}]", width)
     return config
+
+
+def default_run_dir(config: Config) -> Path:
+    """runs/NAME, where a run goes without --out: the name must be one plain folder name (checked here, not in
+    `validate`, so that runs stored under other names are still read)."""
+    name = config.name
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0\n"):
+        raise ConfigError(f"name: expected a plain name (the run's folder under runs/), got {name!r}; or give --out")
+    return Path("runs") / name
 
 
 def config_from_dict(data: dict) -> Config:
