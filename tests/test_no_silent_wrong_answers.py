@@ -194,6 +194,22 @@ def test_a_gradient_given_to_backward_scales_the_loss():
     assert_same_posterior(opt, one_step(summed_ce))
 
 
+def test_gradients_filled_without_backward_are_refused_with_the_ways_to_say_the_reduction():
+    model = mlp()
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        torch.autograd.backward(loss)  # not seen: torch.autograd.backward has no torch-function dispatch
+        return loss
+
+    with pytest.raises(ValueError, match=r"without calling backward\(\) .* step\(closure, batch_size=8\)"):
+        FOOVB(model, "diagonal", 4).step(closure)
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure, batch_size=8)
+    assert_same_posterior(opt, one_step(summed_ce))
+
+
 def test_a_mean_over_a_stack_of_means_is_refused():
     model = mlp()
     with pytest.raises(ValueError, match=r"a .mean\(\) over a stack of values"):

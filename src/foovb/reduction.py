@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["LossReduction", "loss_reduction_of", "loss_scale"]
 
-_SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0")
+_NO_BACKWARD = "no backward() seen"
 _COMBINATIONS = ("AddBackward0", "SubBackward0")
 # operations that give the same value when applied to a one-element tensor (the loss and every node _read
 # reaches through a constant or a combination has one element)
@@ -169,7 +169,7 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
     kind, terms, mean_inside, factor, of_one_row = reduction if reduction is not None else LossReduction(
-        "no backward() seen", math.nan)
+        _NO_BACKWARD, math.nan)
     if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
         kind, terms = of_one_row, 1.0
     if factor == 0:
@@ -230,6 +230,12 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             f"how it relates to the batch's summed negative log-likelihood cannot be read from it: call "
             f"step(closure, batch_size={n or 'n'}) to say it is a mean over the batch (everything is multiplied "
             "by the batch size)")
+    if kind == _NO_BACKWARD:
+        raise ValueError(
+            "the closure filled the gradients without calling backward() on a loss (torch.autograd.backward and "
+            "torch.autograd.grad are not seen), so how the loss was reduced cannot be read: call loss.backward() "
+            f"in the closure, or say it: step(closure, batch_size={n or 'n'}) for a mean over the batch's rows, "
+            "FOOVB(..., loss_reduction='sum') for their sum")
     raise ValueError(
         f"cannot tell how the loss was reduced over the batch (its last operation: {kind}): call backward() on the "
         f"loss function's output itself (its mean, or reduction='sum'), or call step(closure, "
