@@ -70,3 +70,14 @@ def test_compare_plots_each_curve_against_the_tasks_seen(two_runs, tmp_path, mon
             x, y = curves[label]
             np.testing.assert_array_equal(x, [1, 2, 3])  # tasks seen at each task end
             np.testing.assert_allclose(y, want)
+
+
+@pytest.mark.parametrize("damaged", ["summary.json", "metrics.jsonl"])
+def test_a_run_with_a_file_cut_short_is_one_error_line_naming_the_resume(two_runs, tmp_path, capsys, damaged):
+    foovb, sgd = two_runs
+    text = (foovb / damaged).read_text()
+    (foovb / damaged).write_text(text[: len(text) - 7])  # cut in the middle of a JSON value
+    assert main(["compare", str(foovb), str(sgd), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"foovb: error: {foovb}: a damaged output file")
+    assert err[0].endswith("--resume` rebuilds the outputs from its checkpoint")

@@ -597,8 +597,13 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished run)")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"dir": run_dir, "summary": json.loads(summary_path.read_text()), "records": records,
+    try:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        summary = json.loads(summary_path.read_text())
+    except json.JSONDecodeError as error:  # a file cut short (a full disk, a copy stopped halfway)
+        raise CheckpointError(f"{run_dir}: a damaged output file ({error}); `foovb run CONFIG --out {run_dir} "
+                              "--resume` rebuilds the outputs from its checkpoint") from None
+    return {"dir": run_dir, "summary": summary, "records": records,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text())}
 
 
