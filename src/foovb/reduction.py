@@ -96,22 +96,22 @@ def _divisor(node: object) -> float | None:
 def _read(node: object, depth: int = 0) -> LossReduction:
     if node is None:
         return LossReduction("no graph", math.nan)
+    if depth >= 16:
+        return LossReduction("a graph too deep to read", math.nan)
     name = type(node).__name__
     constant = _constant_operand(node)
-    if constant is not None and depth < 16:
+    if constant is not None:
         found = _read(constant[0], depth + 1)
         divisor = _divisor(node)
         # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term)
         if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor == found.terms:
             return LossReduction("mean", found.terms)
         return found._replace(factor=found.factor * constant[1])
-    if name in _SHAPE_ONLY and depth < 16:  # a one-element tensor reshaped, cloned or cast: itself
+    if name in _SHAPE_ONLY:  # a one-element tensor reshaped, cloned or cast: itself
         return _read(node.next_functions[0][0], depth + 1)
     if name.startswith(("SumBackward", "MeanBackward")):
         sizes = tuple(node._saved_self_sym_sizes)
         if math.prod(sizes) == 1:  # the sum or mean of a one-element tensor: itself
-            if depth >= 16:
-                return LossReduction("a graph too deep to read", math.nan)
             inner = _read(node.next_functions[0][0], depth + 1)
             if inner.kind in ("mean", "sum") or not math.isnan(inner.mean_inside):
                 return inner  # F.cross_entropy(out, y).mean() is the mean, not a mean over 1 term
@@ -134,7 +134,7 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
         return LossReduction("mean", float(total_weight) if total_weight is not None
                              else float(node._saved_self.numel()))
-    if name in _COMBINATIONS and depth < 16:
+    if name in _COMBINATIONS:
         parts = [_read(child, depth + 1) for child, _ in node.next_functions if child is not None]
         # two means over the same terms (label smoothing: (1 - e) nll + e smooth): a mean of each example's
         # weighted terms; equal weights (0.5 a + 0.5 b) are a constant of the whole loss
