@@ -194,12 +194,48 @@ def test_a_gradient_given_to_backward_scales_the_loss():
     assert_same_posterior(opt, one_step(summed_ce))
 
 
+@pytest.mark.parametrize("call", [
+    lambda loss: torch.autograd.backward(loss),
+    lambda loss: torch.autograd.backward([loss]),
+    lambda loss: torch.autograd.backward(tensors=(loss,), grad_tensors=(None,)),
+    lambda loss: torch.autograd.backward(loss / 2, grad_tensors=torch.tensor(2.0)),
+    lambda loss: torch.autograd.backward((loss * 2,), [torch.tensor(0.5)]),
+])
+def test_torch_autograd_backward_is_read_as_loss_backward(call):
+    """torch.autograd.backward hands the loss as a tuple and the gradients as grad_tensors=: it was skipped, and
+    the step refused (or, with batch_size=, took whatever factor the user guessed)."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        call(loss)
+        return loss
+
+    opt.step(closure)
+    assert_same_posterior(opt, one_step(summed_ce))
+
+
+def test_torch_autograd_backward_with_a_gradient_of_two_is_twice_the_mean():
+    model = mlp()
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        torch.autograd.backward(loss, grad_tensors=torch.tensor(2.0))
+        return loss
+
+    with pytest.raises(ValueError, match="the loss is 2 times a mean over 8 terms"):
+        FOOVB(model, "diagonal", 4).step(closure)
+
+
 def test_gradients_filled_without_backward_are_refused_with_the_ways_to_say_the_reduction():
     model = mlp()
 
     def closure():
         loss = F.cross_entropy(model(X), Y)
-        torch.autograd.backward(loss)  # not seen: torch.autograd.backward has no torch-function dispatch
+        grads = torch.autograd.grad(loss, list(model.parameters()))  # gradients written by hand: not seen
+        for parameter, grad in zip(model.parameters(), grads, strict=True):
+            parameter.grad = grad
         return loss
 
     with pytest.raises(ValueError, match=r"without calling backward\(\) .* step\(closure, batch_size=8\)"):

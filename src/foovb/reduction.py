@@ -232,8 +232,9 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             "by the batch size)")
     if kind == _NO_BACKWARD:
         raise ValueError(
-            "the closure filled the gradients without calling backward() on a loss (torch.autograd.backward and "
-            "torch.autograd.grad are not seen), so how the loss was reduced cannot be read: call loss.backward() "
+            "the closure filled the gradients without calling backward() on a loss (gradients computed by "
+            "torch.autograd.grad and written into .grad are not seen), so how the loss was reduced cannot be read: "
+            "call loss.backward() "
             f"in the closure, or say it: step(closure, batch_size={n or 'n'}) for a mean over the batch's rows, "
             "FOOVB(..., loss_reduction='sum') for their sum")
     raise ValueError(
@@ -302,19 +303,29 @@ class LossSpy(TorchFunctionMode):
             self._depth -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func in (Tensor.backward, torch.autograd.backward) and args and isinstance(args[0], Tensor):
-            reduction = loss_reduction_of(args[0])
-            gradient = args[1] if len(args) > 1 else (kwargs or {}).get(
-                "gradient" if func is Tensor.backward else "grad_tensors")
-            if isinstance(gradient, (list, tuple)) and len(gradient) == 1:
-                gradient = gradient[0]
-            if gradient is not None:  # loss.backward(g) gives the gradients of g * loss
+        kwargs = kwargs or {}
+        if func is Tensor.backward or func is torch.autograd.backward:
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, func, args: tuple, kwargs: dict) -> None:  # noqa: ANN001
+        """One reduction per loss of a backward call: `loss.backward(gradient)`, or
+        `torch.autograd.backward(tensors, grad_tensors)` (one loss or a sequence, a gradient per loss or None)."""
+        losses = args[0] if args else kwargs.get("tensors")
+        gradients = args[1] if len(args) > 1 else kwargs.get("gradient" if func is Tensor.backward else "grad_tensors")
+        losses = (losses,) if isinstance(losses, Tensor) else tuple(losses or ())
+        gradients = ((gradients,) if isinstance(gradients, Tensor) else
+                     (None,) * len(losses) if gradients is None else tuple(gradients))
+        for loss, gradient in zip(losses, gradients, strict=False):  # unequal lengths: torch raises
+            if not isinstance(loss, Tensor):
+                continue
+            reduction = loss_reduction_of(loss)
+            if gradient is not None:  # backward with a gradient g gives the gradients of g * loss
                 reduction = (reduction._replace(factor=reduction.factor * float(gradient))
                              if isinstance(gradient, Tensor) and gradient.numel() == 1 else
                              LossReduction("backward() with a gradient of several elements", math.nan))
             self.reductions.append(reduction)
-            self.losses.append(float(args[0].detach().sum()))  # backward(gradient) of a non-scalar: its sum
-        return func(*args, **(kwargs or {}))
+            self.losses.append(float(loss.detach().sum()))  # backward(gradient) of a non-scalar: its sum
 
     def scale(self, declared: str, batch_size: int | None) -> float:
         """The one factor for all the backward() calls of the closure (`loss_scale` of each, which must agree)."""
