@@ -103,20 +103,20 @@ def step_and_update_ms(opt: FOOVB, step, repeats: int, warmup: int = 3) -> tuple
     captured = {}
     original = opt._apply_update
 
-    def capture(stats, losses, num_samples):
-        captured["args"] = (stats, losses, num_samples)
-        return original(stats, losses, num_samples)
+    def capture(*args):
+        captured["args"] = args
+        return original(*args)
 
     opt._apply_update = capture
     step_ms = median_ms(step, repeats, warmup)
-    stats, losses, num_samples = captured["args"]
+    args = captured["args"]
     saved = [{key: value.clone() for key, value in b.state.items()} for b in opt.blocks]
 
     def update_only() -> None:
         for block, state in zip(opt.blocks, saved, strict=True):
             block.state["mean"].copy_(state["mean"])  # the update changes the mean in place
             block.state.update({key: value for key, value in state.items() if key != "mean"})  # and replaces these
-        original(stats, losses, num_samples)
+        original(*args)
 
     update_ms = median_ms(update_only, repeats, warmup)
     opt._apply_update = original

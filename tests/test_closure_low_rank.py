@@ -62,9 +62,9 @@ def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=
     recorded, factored = {}, set()
     apply_update, accumulate = opt._apply_update, Step._accumulate_captured
 
-    def record(stats, losses, num_samples):
+    def record(stats, *rest):
         recorded.update({opt.blocks.index(b): s for b, s in stats.items()})
-        return apply_update(stats, losses, num_samples)
+        return apply_update(stats, *rest)
 
     def captured(capture, block, pending, noise):
         if dense:

@@ -39,6 +39,7 @@ MC_CASES = [(family, path, 4) for family in ("diagonal", "kronecker", "full") fo
     ("kronecker", path, inputs) for inputs in (11, 20) for path in PATHS]
 DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path in PATHS] + [
     ("kronecker", path, 20) for path in PATHS]
+MEAN_CASES = [("diagonal", path) for path in PATHS] + [("kronecker", "closure")]
 
 
 def mlp(inputs: int = 4, seed: int = 0) -> nn.Module:
@@ -53,10 +54,12 @@ def batch(step: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- the training both the workers and the parent run --------------------------------------------------------
 def train(family: str, path: str, inputs: int, mode: str | None,
-          record_noise: bool = False) -> dict[str, Any]:
-    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first."""
+          record_noise: bool = False, reduction: str = "sum") -> dict[str, Any]:
+    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
+    reduction "mean": the batch's mean loss over 7 rows (data mode: shards of 4 and 3 rows), else the sum."""
     model = mlp(inputs)
-    optimizer = FOOVB(model, family, K, seed=7, **PAPER)
+    options = PAPER if reduction == "sum" else {"preset": "paper"}
+    optimizer = FOOVB(model, family, K, seed=7, **options)
     if mode is not None:
         distribute(optimizer, mode)
     noises: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -73,13 +76,16 @@ def train(family: str, path: str, inputs: int, mode: str | None,
     losses = []
     for step in range(STEPS):
         x, y = batch(step, inputs)
+        if reduction == "mean":
+            x, y = x[:7], y[:7]
         if mode == "data":
             x, y = shard_batch(x, y)
         if path == "batched":
-            losses.append(optimizer.step_batched(x, y))
+            losses.append(optimizer.step_batched(x, y, lambda out, target: F.cross_entropy(
+                out, target, reduction=reduction)))
         else:
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-                loss = F.cross_entropy(model(x), y, reduction="sum")
+                loss = F.cross_entropy(model(x), y, reduction=reduction)
                 loss.backward()
                 return loss
 
@@ -97,6 +103,8 @@ def job_equivalence(rank: int) -> dict[str, Any]:
                                                   record_noise=family == "diagonal")
     for family, path, inputs in DATA_CASES:
         out[("data", family, path, inputs)] = train(family, path, inputs, "data")
+    for family, path in MEAN_CASES:
+        out[("data-mean", family, path, 4)] = train(family, path, 4, "data", reduction="mean")
     try:  # K = 1 < 2 processes: every process raises the same ValueError after a consistent check
         distribute(FOOVB(mlp(), "diagonal", 1, seed=7, **PAPER), "mc")
     except ValueError as error:
@@ -194,9 +202,9 @@ def single_process_losses() -> list[float]:
     seen = []
     apply = optimizer._apply_update
 
-    def recording(stats, losses, num_samples):
+    def recording(stats, losses, *rest):
         seen.append(list(losses))
-        return apply(stats, losses, num_samples)
+        return apply(stats, losses, *rest)
 
     optimizer._apply_update = recording
     x, y = batch(0, 4)
@@ -295,6 +303,16 @@ def test_data_parallel_equals_single_process_on_full_batch(results: list[dict], 
         assert_close_posteriors(results[rank][("data", family, path, inputs)], single)
 
 
+@pytest.mark.parametrize(("family", "path"), MEAN_CASES)
+def test_data_parallel_with_a_mean_loss_equals_single_process_on_full_batch(results: list[dict], family: str,
+                                                                           path: str) -> None:
+    """Shards of 4 and 3 rows, each process's loss their mean: the posterior and the reported loss are the whole
+    batch's (the reported loss was the sum of the shards' means, about 2x)."""
+    single = train(family, path, 4, None, reduction="mean")
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("data-mean", family, path, 4)], single)
+
+
 def test_ranks_stay_identical(results: list[dict]) -> None:
     for key, first in results[0].items():
         if isinstance(key, tuple):
@@ -326,7 +344,7 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
     # Layer 2 (p = 3, n = 7): all dense.
     layer2 = 3 * 7 + 7 * 7 + 3 * 3
     mc = (6 * 21 + 8 * 21 + 6 * 6) + layer2 + K
-    data = (6 * 21 + 2 * 8 * 21 + 6 * 6) + layer2 + K
+    data = (6 * 21 + 2 * 8 * 21 + 6 * 6) + layer2 + K + 1  # data mode: the losses' rows too
     assert results[0][("mc", "kronecker", "batched", 20)]["bytes"] == 4 * mc + 16 * 2 * WORLD
     assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD
     # full: per Linear, grad_sum (d) and grad_noise as stacked factors of rank K (K x d each)

@@ -200,8 +200,8 @@ class AllReduce:
     bytes: int = 0  # bytes all-reduced by the last step (statistics, losses and layouts)
 
     def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
-               losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
-        return all_reduce_statistics(self, blocks, stats, num_samples, losses)
+               losses: list[float], loss_rows: float) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        return all_reduce_statistics(self, blocks, stats, num_samples, losses, loss_rows)
 
 
 def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...]:
@@ -268,7 +268,8 @@ def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
 
 
 def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict],
-                          num_samples: int, losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+                          num_samples: int, losses: list[float],
+                          loss_rows: float = 0.0) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
     """Sum the Monte Carlo statistics and the per-sample losses over the processes.
 
     All statistics, with the losses, travel in one flat buffer per dtype and one all-reduce (one dtype in
@@ -279,10 +280,12 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
 
     `losses` holds this process's losses of the samples `reducer.samples`. They are placed at their
     sample indices in a length-K vector before the sum, so the result is, per sample, the sample's loss (MC
-    mode: one process evaluated it) or the sum of the shards' summed losses (data mode: the full batch's
-    loss). The reduced losses (all K samples, the full batch) are returned, so that `step` / `step_batched`
-    report the same mean loss on every process. They travel in the statistics' widest floating dtype (at
-    least float32).
+    mode: one process evaluated it) or the full batch's loss (data mode): the sum of the shards' summed losses,
+    or, for losses that are means over `loss_rows` rows of each shard, the shards' means weighted by their
+    rows (data mode adds the rows to the vector: one more element). The reduced losses (all K samples, the
+    full batch) are returned, so that `step` / `step_batched` report the same mean loss on every process and
+    as one process would on the whole batch. They travel in the statistics' widest floating dtype (at least
+    float32).
 
     Returns (reduced statistics, num_samples, losses), identical on every process. `num_samples` is
     unchanged: both modes sum over exactly K samples. Records the bytes it all-reduced (statistics, losses
@@ -314,8 +317,11 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
                 stacked[begin:end] = factor
                 pieces.append(stacked)
     loss_dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces], torch.float32)
-    loss_vector = torch.zeros(num_samples, dtype=loss_dtype)
-    loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype)
+    data_mode = reducer.mode == "data"
+    loss_vector = torch.zeros(num_samples + data_mode, dtype=loss_dtype)
+    loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype) * (loss_rows or 1.0)
+    if data_mode:
+        loss_vector[-1] = loss_rows
     pieces.append(loss_vector)
     device = _comm_device(group)
     positions: dict[torch.dtype, list[int]] = {}
@@ -340,4 +346,8 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
             new_stats[block][key] = LowRank(value.left, next(values))
         else:
             new_stats[block][key] = LowRank(next(values), next(values))
-    return new_stats, num_samples, next(values).tolist()
+    reduced_losses = next(values)
+    if data_mode:  # each shard's mean times its rows, summed: over all rows; summed losses: their sum
+        reduced_losses, rows = reduced_losses[:-1], float(reduced_losses[-1])
+        reduced_losses = reduced_losses / rows if rows > 0 else reduced_losses
+    return new_stats, num_samples, reduced_losses.tolist()

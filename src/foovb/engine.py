@@ -147,8 +147,9 @@ class StatisticsReducer(Protocol):
     samples: range  # the sample indices this process evaluates
 
     def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
-               losses: list[float]) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
-        """The statistics, sample count and per-sample losses summed over all processes."""
+               losses: list[float], loss_rows: float) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        """The statistics and sample count summed over all processes, and each sample's loss over the whole
+        batch (`loss_rows`: the rows this process's losses are means over, 0 for summed losses)."""
         ...
 
 
@@ -209,6 +210,7 @@ class Step:
     batch_size: int | None
     grad_scale: float | None = None  # sequential samples: their loss's scale, applied to the sums at the update
     losses: list[float] = field(default_factory=list)
+    loss_rows: float = 0.0  # the rows each of `losses` is a mean over (0: summed losses, L_n itself)
     count: int = 0
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
@@ -249,6 +251,7 @@ class Step:
             check_gradients(opt.blocks)
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 self.grad_scale = spy.scale(opt.loss_reduction, self.batch_size)
+                self.loss_rows = self.grad_scale if self.grad_scale != 1 else 0.0
             self.running.record()
             self.losses.append(sample.loss if reports_loss else spy.loss)
             if capture is not None and capture.compiled:  # shown once per process (Python's default filter)
@@ -338,6 +341,7 @@ class Step:
                         network.accumulate(self.stats, grad_scale, shared_inputs)
                 value = float(loss.detach())
                 self.losses.extend([value if reduction.kind == "mean" else value / c] * c)
+                self.loss_rows = grad_scale / c if grad_scale != 1 else 0.0
                 self.count += c
         except BaseException:
             opt._pending = None
@@ -357,16 +361,17 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
 
 
 @torch.no_grad()
-def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], num_samples: int, mean_step: float,
-                 cov_step: float, reducer: StatisticsReducer | None, step_number: int, std_growth: str) -> float:
+def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float, num_samples: int,
+                 mean_step: float, cov_step: float, reducer: StatisticsReducer | None, step_number: int,
+                 std_growth: str) -> float:
     """UPDATE (Algorithm 1): all-reduce the statistics under torch.distributed (`reducer`), check them, then
     one fixed-point iteration of every block of `stats` (those the step trains). Non-finite statistics or an
     update that overflows raise FloatingPointError and leave every block as it was.
 
-    Returns the mean loss over all samples (of all processes)."""
+    Returns the mean loss over all samples (of all processes; `loss_rows`: see `StatisticsReducer.reduce`)."""
     blocks = list(stats)
     if reducer is not None:
-        stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses)
+        stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses, loss_rows)
 
     def pieces(block: PosteriorBlock) -> list[Tensor]:
         return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]
