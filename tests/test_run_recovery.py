@@ -5,7 +5,9 @@ directory."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import shutil
 import signal
 
 import numpy as np
@@ -17,7 +19,7 @@ from conftest import TINY
 from foovb.predict import predict
 from foovb_suite import plots, runner
 from foovb_suite.cli import main
-from foovb_suite.config import config_from_dict
+from foovb_suite.config import ConfigError, config_from_dict
 from foovb_suite.runner import load_learner, load_model, run
 
 # FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
@@ -247,3 +249,27 @@ def test_the_divergence_advice_names_the_per_layer_prior() -> None:
     assert "a learner.params.std_init below the layers' own (now xavier: sqrt(2 / (fan_in + fan_out))" in advice
     assert "a smaller learner.params.std_init (now 0.047)" in _divergence_advice(
         SimpleNamespace(optimizer=FOOVB(torch.nn.Linear(3, 2), preset="paper")))
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("scenario: [", "is damaged \\(while parsing"), ("- a", "is damaged \\(config: expected a mapping"),
+    ("scenario: {kind: nope}", "is damaged \\(scenario.kind: unknown scenario"), (None, "is missing")])
+def test_a_damaged_saved_config_is_one_error_line_naming_it(uninterrupted, config_file, tmp_path, capsys, content,
+                                                             says) -> None:
+    """--resume, `foovb compare` and load_learner read the run directory's config.yaml: a damaged or missing one
+    was a yaml traceback, or an error about a key that did not say which file held it."""
+    run_dir = tmp_path / "r"
+    shutil.copytree(uninterrupted, run_dir)
+    saved = run_dir / "config.yaml"
+    if content is None:
+        saved.unlink()
+    else:
+        saved.write_text(content)
+    for command in (["run", str(config_file), "--out", str(run_dir), "--resume", "--no-progress"],
+                    ["compare", str(run_dir), "--out", str(tmp_path / "compare")]):
+        assert main(command) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and error[0].startswith(f"foovb: error: {saved}")
+        assert re.search(says, error[0]) and error[0].endswith("or start the run in a new directory")
+    with pytest.raises(ConfigError, match=re.escape(str(saved))):
+        load_learner(run_dir)

@@ -466,7 +466,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               "--resume, or choose another directory")
     resolved = config_to_dict(config)
     if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
-        saved = config_to_dict(config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())))
+        saved = config_to_dict(saved_config(run_dir))
         changed = sorted(key for key in saved.keys() | resolved.keys() if saved.get(key) != resolved.get(key))
         if set(changed) - set(EXECUTION_KEYS):
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
@@ -603,8 +603,22 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as error:  # a file cut short (a full disk, a copy stopped halfway)
         raise CheckpointError(f"{run_dir}: a damaged output file ({error}); `foovb run CONFIG --out {run_dir} "
                               "--resume` rebuilds the outputs from its checkpoint") from None
-    return {"dir": run_dir, "summary": summary, "records": records,
-            "config": yaml.safe_load((run_dir / "config.yaml").read_text())}
+    return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(saved_config(run_dir))}
+
+
+def saved_config(run_dir: Path) -> Config:
+    """The config a run directory was started with (its config.yaml); a ConfigError naming that file if it is
+    missing or damaged."""
+    path = run_dir / "config.yaml"
+    try:
+        return config_from_dict(yaml.safe_load(path.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing: the run directory's copy of the config it was started with; "
+                          "restore it, or start the run in a new directory") from None
+    except (yaml.YAMLError, UnicodeDecodeError, ConfigError) as error:
+        what = " ".join(str(error).split())
+        raise ConfigError(f"{path}, the config the run was started with, is damaged ({what}); restore it, "
+                          "or start the run in a new directory") from None
 
 
 def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Learner:
@@ -617,7 +631,7 @@ def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Lea
     if not checkpoint_path.is_file():
         raise FileNotFoundError(f"{run_dir} has no {checkpoint_path.name} (not a run directory, or a run stopped "
                                 "before its first checkpoint)")
-    config = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    config = saved_config(run_dir)
     with torch.random.fork_rng(devices=[]):  # build_learner seeds the model's initialisation
         learner = build_learner(config, build_scenario(config), resolve_device(str(device)))
     _load_learner_state(learner, _load_checkpoint(checkpoint_path), checkpoint_path)
