@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 
 import numpy as np
@@ -544,6 +545,21 @@ def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monke
     assert main(["plot", str(rectangular), "--out", str(tmp_path / "p4")]) == 2
     assert "must be square" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "p5")]) == 2
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("iteration,task,loss\n10,0,0.5\n", "not an accuracy matrix, which holds numbers only"),  # metrics.csv
+    (",0,1\n0,0.9,0.1\n1,0.8,0.9\n", "not an accuracy matrix, which holds numbers only"),  # pandas' to_csv
+    ("90,10\n80,90\n", r"fractions in \[0, 1\], found 90 \(percentages"),  # plotted as if 90x better
+    ("", "must be square")])
+def test_plot_refuses_what_is_not_an_accuracy_matrix_in_one_line(tmp_path, capsys, content, says) -> None:
+    path = tmp_path / "m.csv"
+    path.write_text(content)
+    assert main(["plot", str(path), "--out", str(tmp_path / "p")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"foovb: error: {path}: ") and re.search(says, error[0])
+    assert "eval_every" not in error[0]
+    assert not (tmp_path / "p").exists()
 
 
 def test_cli_reports_config_errors(tmp_path, capsys) -> None:

@@ -243,11 +243,22 @@ def _plot(args: argparse.Namespace) -> int:
     average_curves, first_curves, rows = {}, {}, []
     for label, path in zip(labels, paths, strict=True):
         try:
-            matrix = validate_accuracy_matrix(np.loadtxt(path, delimiter=",", ndmin=2))
+            values = np.loadtxt(path, delimiter=",", ndmin=2)
+        except ValueError as error:  # text: a header row or column, another kind of CSV (metrics.csv)
+            print(f"foovb: error: {path}: not an accuracy matrix, which holds numbers only (a run's "
+                  f"accuracy_matrix_<mode>.csv: one row per task end, one column per task): {error}", file=sys.stderr)
+            return 2
+        try:
+            matrix = validate_accuracy_matrix(values)
         except ValueError as error:
             hint = ("; a run evaluated more often than once per task (the continuous scenario with eval_every) "
-                    "is plotted by foovb compare") if "square" in str(error) else ""
+                    "is plotted by foovb compare") if values.shape[0] > values.shape[1] > 0 else ""
             print(f"foovb: error: {path}: {error}{hint}", file=sys.stderr)
+            return 2
+        outside = matrix[np.isfinite(matrix) & ((matrix < 0) | (matrix > 1))]
+        if outside.size:
+            print(f"foovb: error: {path}: accuracies are fractions in [0, 1], found {outside[0]:g} (percentages? "
+                  "divide them by 100)", file=sys.stderr)
             return 2
         tasks = np.arange(1, matrix.shape[0] + 1)
         average, first = average_accuracy(matrix), first_task_accuracy(matrix)
