@@ -24,6 +24,7 @@ from torch import nn
 import foovb.distributed as fd
 from foovb import FOOVB
 from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
+from foovb_suite.cli import main
 from foovb_suite.config import config_from_dict
 from foovb_suite.runner import load_run, run
 
@@ -441,6 +442,34 @@ def test_runner_setup(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="single-process only"):
         setup_run("sgd")
     assert not dist.is_initialized()
+
+
+def test_a_baseline_under_torchrun_is_one_error_line(monkeypatch: pytest.MonkeyPatch, config_file: Path,
+                                                    tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`torchrun ... foovb run` of a baseline: a ValueError traceback on every rank before."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", str(config_file), "--set", "learner.kind=sgd", "--set", "learner.params={lr: 0.1}",
+                 "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["foovb: error: learner.kind: learner 'sgd' runs single-process only; multi-process training "
+                     "(torchrun) is implemented for the foovb learner"]
+    assert not dist.is_initialized() and not (tmp_path / "r").exists()
+
+
+def test_too_few_samples_under_torchrun_is_one_error_line(monkeypatch: pytest.MonkeyPatch, config_file: Path,
+                                                          tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """distribute's ValueError on every rank (K below the processes, settings that differ) is a user's error."""
+    import foovb_suite.runner as runner
+
+    def refuse(optimizer: FOOVB, mode: str) -> None:
+        sample_range(1, 0, 2)
+
+    monkeypatch.setattr(runner.distributed, "setup_run", lambda kind, device: True)
+    monkeypatch.setattr(runner.distributed, "distribute", refuse)
+    monkeypatch.setattr(runner.torch.distributed, "get_rank", lambda: 0)
+    assert main(["run", str(config_file), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("foovb: error: torchrun: mc_samples=1 is smaller than the 2 processes")
 
 
 @pytest.fixture(scope="module")

@@ -431,7 +431,10 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     run_dir = Path(run_dir)
     device = resolve_device(config.device)
     # under torchrun: MC-parallel FOO-VB (docs/distributed.md); only rank 0 writes files.
-    distributed_run = distributed.setup_run(config.learner.kind, device)
+    try:
+        distributed_run = distributed.setup_run(config.learner.kind, device)
+    except ValueError as error:  # a baseline under torchrun
+        raise ConfigError(f"learner.kind: {error}") from None
     if distributed_run and device.type == "cuda":  # NCCL: every process on its own GPU (LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
     main_process = not distributed_run or torch.distributed.get_rank() == 0
@@ -475,7 +478,10 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     if state is not None:
         _load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
-        distributed.distribute(learner.optimizer, "mc")
+        try:
+            distributed.distribute(learner.optimizer, "mc")
+        except ValueError as error:  # fewer samples than processes, or processes built with different settings
+            raise ConfigError(f"torchrun: {error}") from None
     if main_process:
         (run_dir / "plots").mkdir(parents=True, exist_ok=True)
         confirm_lock()
