@@ -323,11 +323,24 @@ def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_s
         opt.step()
     with opt.sampled_params(train=True):
         F.cross_entropy(model(X), Y).backward()
-    with pytest.raises(RuntimeError, match="finish that one first"):
+    with pytest.raises(RuntimeError, match="1 of 2 sampled_params"):  # with or without a closure
         opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    with opt.sampled_params(train=True):
+        F.cross_entropy(model(X), Y).backward()
     with pytest.raises(RuntimeError, match="1 of 2 sampled_params"):
         opt.step()
     assert all_equal(posterior_snapshot(opt), before) and opt.steps_taken == 0
+    for _ in range(2):  # all K blocks, then a closure that trains: refused, the blocks' step is kept
+        with opt.sampled_params(train=True):
+            F.cross_entropy(model(X), Y).backward()
+    with pytest.raises(RuntimeError, match="the closure trained"):
+        opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    assert all(p.grad is None for p in model.parameters())
+    assert all_equal(posterior_snapshot(opt), before) and opt.steps_taken == 0
+    hooks_ran = []
+    opt.step(lambda: hooks_ran.append(True))  # a closure that does not train (Lightning's manual optimization)
+    assert hooks_ran == [True] and opt.steps_taken == 1
+    before = posterior_snapshot(opt)
     with pytest.raises(KeyError), opt.sampled_params(train=True):  # a failing block: the step is abandoned
         raise KeyError("data")
     assert all_equal(posterior_snapshot(opt), before)  # the model holds the mean again, nothing was updated
@@ -338,7 +351,7 @@ def test_sampled_params_training_blocks_are_counted_and_a_failure_abandons_the_s
     with pytest.raises(RuntimeError, match="all 2 Monte Carlo samples"), opt.sampled_params(train=True):
         pass
     opt.step()
-    assert opt.steps_taken == 1 and not all_equal(posterior_snapshot(opt), before)
+    assert opt.steps_taken == 2 and not all_equal(posterior_snapshot(opt), before)
     with pytest.raises(ValueError, match="seed is for inspection"), opt.sampled_params(train=True, seed=1):
         pass
 

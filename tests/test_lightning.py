@@ -252,3 +252,38 @@ def test_weights_loaded_after_the_optimizer_was_built_are_trained(mnist, tmp_pat
     trainer(tmp_path / "early", max_steps=3, callbacks=[early_snapshots]).fit(early, loader(x, y))
     for got, want in zip(late_snapshots.posteriors[-1], early_snapshots.posteriors[-1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class ManualClassifier(Classifier):
+    """Manual optimization, IVON's Lightning recipe: K `sampled_params(train=True)` blocks on the optimizer
+    Lightning hands back, `manual_backward`, then `opt.step()`."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        for _ in range(K):
+            with opt.sampled_params(train=True):
+                self.manual_backward(F.cross_entropy(self.net(x), y))
+        opt.step()
+        self.lr_schedulers().step()
+
+
+def test_manual_optimization_with_sampled_params_blocks_takes_the_plain_loops_steps(mnist, tmp_path):
+    """LightningOptimizer copies the optimizer's __dict__, so the blocks' pending step stayed on the copy, and its
+    step() passes a closure that only runs hooks: the closure was called K times as a training closure
+    (TypeError: it returned None). Now the same posteriors as the plain loop, and Lightning counts the steps."""
+    x, y, _, _ = mnist
+    steps = 10
+    snapshots = Snapshots()
+    model = ManualClassifier()
+    fit = trainer(tmp_path, max_steps=steps, callbacks=[snapshots])
+    fit.fit(model, loader(x, y))
+    assert fit.global_step == steps and fit.optimizers[0].steps_taken == steps
+    manual, _ = manual_run(x, y, steps)
+    for step in range(steps):
+        for got, want in zip(snapshots.posteriors[step], manual[step], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +50,22 @@ def _fixed_setting(key: str, doc: str) -> property:
 
 def _step_size(key: str, doc: str) -> property:
     return property(lambda self: self.param_groups[0][key], doc=f"{doc} Read from param_groups[0] at every step.")
+
+
+@dataclass
+class _Progress:
+    """What changes from step to step besides the posterior, in one object: a wrapper that copies the optimizer's
+    __dict__ (Lightning's LightningOptimizer, whose sampled_params blocks a manual-optimization training_step
+    runs) shares it with the optimizer whose step() it calls."""
+
+    steps_taken: int = 0
+    pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
+    defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
+
+
+def _progress(key: str, doc: str) -> property:
+    return property(lambda self: getattr(self._progress, key), lambda self, value: setattr(self._progress, key, value),
+                    doc=doc)
 
 
 class FOOVB(torch.optim.Optimizer):
@@ -120,11 +137,10 @@ class FOOVB(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
-        self.steps_taken = 0
+        self._progress = _Progress()
         # How the statistics of a step are combined across processes: None (one process), or the object that
         # foovb.distributed.distribute sets (its `samples` and `reduce`, see `StatisticsReducer`)
         self.statistics_reducer: StatisticsReducer | None = None
-        self._pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
@@ -133,8 +149,12 @@ class FOOVB(torch.optim.Optimizer):
         # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture), and
         # whether step(closure) defers forming their sampled weights (off for good after an unseen use)
         self._linear_kronecker = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
-        self._defer_linear_samples = True
         self.load_mean_into_model()
+
+    steps_taken = _progress("steps_taken", "Updates applied so far.")
+    _pending = _progress("pending", "A step begun by sampled_params(train=True) blocks, or None.")
+    _defer_linear_samples = _progress("defer_linear_samples", "Whether step(closure) forms the matrix-variate "
+                                      "nn.Linear samples lazily (off for good after an unseen use).")
 
     # Read-only views of the construction-time settings (in param_groups too; changing them is refused)
     mc_samples = _fixed_setting("mc_samples", "K, Monte Carlo samples per step.")
@@ -205,7 +225,9 @@ class FOOVB(torch.optim.Optimizer):
         average of the samples' batch statistics.
 
         Without a closure, applies the update of the K samples that `sampled_params(train=True)` blocks have
-        evaluated since the last step (your own training loop).
+        evaluated since the last step (your own training loop). After such blocks, a closure is called once and
+        must not train (return None, leave no gradient): Lightning's manual optimization passes one that runs
+        its hooks.
         """
         if closure is None:
             if self._pending is None:
@@ -213,8 +235,15 @@ class FOOVB(torch.optim.Optimizer):
                                  "or mc_samples `with optimizer.sampled_params(train=True):` blocks before it")
             return self._finish_step()
         if self._pending is not None:
-            raise RuntimeError("step(closure) while sampled_params(train=True) blocks have started a step: "
-                               "call step() without a closure to finish that one first")
+            if self._pending.count == len(self.sample_shard):  # else _finish_step says how many blocks ran
+                params = [p for block in self.blocks for p in block.params]
+                if closure() is not None or any(p.grad is not None for p in params):
+                    for p in params:
+                        p.grad = None
+                    raise RuntimeError("step(closure) after sampled_params(train=True) blocks: the closure trained "
+                                       "(it returned a loss or left gradients), and its samples cannot join those "
+                                       "of the blocks; call step() without a closure to apply the blocks' update")
+            return self._finish_step()
         evaluate_sequential(self, closure, batch_size)  # K samples theta_k = mu + A eps_k, their gradients g_k
         return self._finish_step()  # E[g], E[g eps^T] -> the update of every block
 
