@@ -291,6 +291,12 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     config = config_from_dict(quick())
     partial = run(config, tmp_path / "r", progress=False, stop_after=21)
     assert partial == {"interrupted_at": 21}
+    # the metrics of the evaluations so far (after task 1, iteration 16) are on disk already, as they will stay
+    written = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    final = [json.loads(line) for line in (finished_run[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in written] == [16] and written[0]["accuracy"] == final[0]["accuracy"]
+    rows = list(csv.DictReader((tmp_path / "r" / "metrics.csv").read_text().splitlines()))
+    assert rows and {r["iteration"] for r in rows} == {"16"}
     # a run started before a config key existed resumes, the key taking its default (QUICK leaves it unset)
     saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
     del saved["evaluation"]["histograms"]

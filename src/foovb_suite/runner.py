@@ -2,7 +2,8 @@
 
 Run directory layout:
     config.yaml              the resolved config
-    metrics.jsonl            one record per evaluation (iteration, stage, per-task accuracy per mode, NLL, ECE)
+    metrics.jsonl            one record per evaluation (iteration, stage, per-task accuracy per mode, NLL, ECE),
+                             rewritten after every evaluation: readable while the run goes on
     metrics.csv              the same, one row per (evaluation, task, mode)
     accuracy_matrix_<mode>.csv   rows: evaluations, columns: tasks
     summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware, device
@@ -18,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import csv
+import io
 import json
 import math
 import os
@@ -349,6 +351,8 @@ class _TrainingLoop:
             if done in self.eval_points:
                 last_average = _average_so_far(self._evaluate(done))
                 self.save(done)
+                if self.main_process:
+                    write_metrics(self.checkpoint_path.parent, self.records)
             elif (done % self.config.checkpoint_every == 0
                   or time.perf_counter() - self.saved_tic >= 60 * self.config.checkpoint_minutes):
                 self.save(done)
@@ -531,21 +535,26 @@ def _final_summary(config: Config, scenario, learner: Learner, device: torch.dev
     }
 
 
+def write_metrics(run_dir: Path, records: list[dict]) -> None:
+    """metrics.jsonl and metrics.csv of the evaluations so far (after each one during a run, each file replaced
+    whole: a reader never sees half of one)."""
+    _write_text(run_dir / "metrics.jsonl", "".join(json.dumps(record) + "\n" for record in records))
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(["iteration", "stage", "task", "mode", "accuracy", "nll", "ece"])
+    for r in records:
+        for mode, values in r["accuracy"].items():
+            for task, value in enumerate(values):
+                writer.writerow([r["iteration"], r["stage"], task, mode, value,
+                                 r["nll"].get(mode, [None] * len(values))[task],
+                                 r["ece"].get(mode, [None] * len(values))[task]])
+    _write_text(run_dir / "metrics.csv", table.getvalue())
+
+
 def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[str, np.ndarray], scenario,
                   config: Config) -> None:
     """All plain-file outputs and plots of a finished run."""
-    with open(run_dir / "metrics.jsonl", "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-    with open(run_dir / "metrics.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["iteration", "stage", "task", "mode", "accuracy", "nll", "ece"])
-        for r in records:
-            for mode, values in r["accuracy"].items():
-                for task, value in enumerate(values):
-                    writer.writerow([r["iteration"], r["stage"], task, mode, value,
-                                     r["nll"].get(mode, [None] * len(values))[task],
-                                     r["ece"].get(mode, [None] * len(values))[task]])
+    write_metrics(run_dir, records)
     for mode in records[-1]["accuracy"]:
         matrix = np.array([r["accuracy"][mode] for r in records])
         np.savetxt(run_dir / f"accuracy_matrix_{mode}.csv", matrix, delimiter=",", fmt="%.6f",
