@@ -246,6 +246,15 @@ def test_gradients_filled_without_backward_are_refused_with_the_ways_to_say_the_
     assert_same_posterior(opt, one_step(summed_ce))
 
 
+@pytest.mark.parametrize("offset", [
+    lambda loss: loss + 1.0, lambda loss: 1.0 + loss, lambda loss: loss - torch.tensor(3.0),
+    lambda loss: loss + F.cross_entropy(torch.zeros(8, 3), Y)])  # a constant tensor: no gradient
+def test_a_mean_loss_plus_a_constant_is_the_mean(offset):
+    """A constant added to the loss has no gradient: the step is the mean's (it was refused as a mean plus
+    "something else")."""
+    assert_same_posterior(one_step(lambda out, y: offset(F.cross_entropy(out, y))), one_step(summed_ce))
+
+
 def test_a_mean_over_a_stack_of_means_is_refused():
     model = mlp()
     with pytest.raises(ValueError, match=r"a .mean\(\) over a stack of values"):

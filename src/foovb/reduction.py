@@ -13,7 +13,8 @@ only what it can tell for sure, and everything else is an error that names the o
   a `.sum()` or `.mean()` of a one-element tensor, and a reshape, clone, cast, expand or transpose of one, is
   looked through (`F.cross_entropy(out, y).sum()` and `.mean()` are the mean); where the tensor under it cannot be
   read, it is the loss of a batch of one row (per-example losses), and an error for any other batch;
-- `loss.backward(g)` of a scalar g: the loss times g;
+- `loss.backward(g)` of a scalar g: the loss times g; a loss plus or minus a constant (a number, a detached
+  tensor): the loss, as the constant has no gradient;
 - anything else (a mean plus a regulariser, a `.sum()` over a stack of losses, over more or fewer rows than the
   batch has) is an error.
 """
@@ -135,7 +136,10 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         return LossReduction("mean", float(total_weight) if total_weight is not None
                              else float(node._saved_self.numel()))
     if name in _COMBINATIONS:
-        parts = [_read(child, depth + 1) for child, _ in node.next_functions if child is not None]
+        children = [child for child, _ in node.next_functions]
+        parts = [_read(child, depth + 1) for child in children if child is not None]
+        if len(parts) == 1 and (children[0] is not None or getattr(node, "_saved_alpha", 1) == 1):
+            return parts[0]  # plus or minus a constant (a number, a detached tensor): it has no gradient
         # two means over the same terms (label smoothing: (1 - e) nll + e smooth): a mean of each example's
         # weighted terms; equal weights (0.5 a + 0.5 b) are a constant of the whole loss
         factor = parts[0].factor if len(parts) == 2 and parts[0].factor == parts[1].factor else 1.0
