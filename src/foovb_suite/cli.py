@@ -11,6 +11,7 @@ import re
 import shlex
 import signal
 import sys
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -243,10 +244,15 @@ def _plot(args: argparse.Namespace) -> int:
     average_curves, first_curves, rows = {}, {}, []
     for label, path in zip(labels, paths, strict=True):
         try:
-            values = np.loadtxt(path, delimiter=",", ndmin=2)
+            with warnings.catch_warnings():  # an empty file: said below, once
+                warnings.simplefilter("ignore", UserWarning)
+                values = np.loadtxt(path, delimiter=",", ndmin=2)
         except ValueError as error:  # text: a header row or column, another kind of CSV (metrics.csv)
             print(f"foovb: error: {path}: not an accuracy matrix, which holds numbers only (a run's "
                   f"accuracy_matrix_<mode>.csv: one row per task end, one column per task): {error}", file=sys.stderr)
+            return 2
+        if values.size == 0:
+            print(f"foovb: error: {path}: empty (no accuracies)", file=sys.stderr)
             return 2
         try:
             matrix = validate_accuracy_matrix(values)
