@@ -393,6 +393,73 @@ def test_parameters_replaced_after_construction_are_refused():
     model.load_state_dict(mlp(seed=5).state_dict(), assign=True)
     with pytest.raises(ValueError, match="parameters were replaced"):
         opt.step(closure_of(model, summed_ce))
+    # sampling for predictions would draw the old layer too (silently: the new one at its point weights)
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    model[2] = torch.nn.Linear(6, 3)
+    with pytest.raises(ValueError, match="the optimizer would sample the old ones"):
+        predict(opt, X, 2)
+    with pytest.raises(ValueError, match="the optimizer would sample the old ones"), opt.sampled_params():
+        pass
+
+
+def test_a_layer_frozen_at_construction_and_unfrozen_later_is_named():
+    """It was reported as "parameters were replaced", whose advice (load the state dict into a new FOOVB) fails."""
+    model = mlp()
+    model[2].requires_grad_(False)
+    opt = FOOVB(model, "diagonal", 4)
+    model[2].requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen \\(requires_grad=False\\) when the optimizer was built"):
+        opt.step(closure_of(model, summed_ce))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("read", ["posterior", "state_dict"])
+def test_reading_the_posterior_inside_a_sample_changes_nothing(family, read):
+    """posterior() / state_dict() inside a closure (Lightning: a sigma logged in training_step) or a
+    sampled_params block took the loaded sample for weights written by the user, and made it the mean."""
+    def reading(loss_fn, model, opt):
+        def loss_with_a_read(out, y):
+            opt.posterior(model[0].weight).std.mean() if read == "posterior" else opt.state_dict()
+            return loss_fn(out, y)
+        return loss_with_a_read
+
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    opt.step(closure_of(model, reading(summed_ce, model, opt)))
+    assert_same_posterior(opt, one_step(summed_ce, family))
+    model = mlp(seed=0)  # an own loop of sampled_params(train=True) blocks
+    opt = FOOVB(model, family, 4, seed=3)
+    for _ in range(4):
+        with opt.sampled_params(train=True):
+            reading(summed_ce, model, opt)(model(X), Y).backward()
+    opt.step()
+    assert_same_posterior(opt, one_step(summed_ce, family))
+    before = posterior_snapshot(opt)  # an inspection block leaves the mean in the model, not its sample
+    mean = [p.detach().clone() for p in model.parameters()]
+    with opt.sampled_params(seed=1):
+        reading(summed_ce, model, opt)(model(X), Y)
+    assert all_equal(posterior_snapshot(opt), before)
+    assert all_equal([p.detach() for p in model.parameters()], mean)
+
+
+def test_predictions_inside_a_sample_are_refused():
+    """predict() in a closure predicted from the sample (mean route), then restored the mean under the closure."""
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+
+    def closure():
+        predict(opt, X, 2)
+        loss = summed_ce(model(X), Y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"predict\(\) inside a step's closure or a sampled_params block"):
+        opt.step(closure)
+    with pytest.raises(RuntimeError, match=r"sampled_params\(\) inside"), opt.sampled_params():
+        with opt.sampled_params():
+            pass
+    predict(opt, X, 2)  # between steps: fine
 
 
 def test_step_batched_names_its_own_fix_for_a_regularised_loss():

@@ -110,16 +110,23 @@ def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
             "optimizer.zero_grad() before the first step if the model still holds gradients")
 
 
-def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock]) -> None:
+def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock], training: bool = True) -> None:
     """The model still holds the parameter tensors the optimizer was built on (not replaced by
-    load_state_dict(assign=True), a new module, or a cast that makes new parameters)."""
+    load_state_dict(assign=True), a new module, or a cast that makes new parameters); `training`: and no
+    parameter trains that the optimizer has no posterior for."""
     held = {id(p) for p in model.parameters()}
     covered = {id(p) for block in blocks for p in block.params}
-    if not covered <= held or any(p.requires_grad and id(p) not in covered for p in model.parameters()):
+    if not covered <= held:
         raise ValueError("the model's parameters were replaced after the optimizer was built (a new module, "
                          "load_state_dict(assign=True), a cast with overwritten parameters): the optimizer would "
-                         "train the old ones; build a new FOOVB on the model as it is now (its state_dict loads "
-                         "into the new one if the shapes are the same)")
+                         f"{'train' if training else 'sample'} the old ones; build a new FOOVB on the model as it "
+                         "is now (its state_dict loads into the new one if the shapes are the same)")
+    if training and any(p.requires_grad and id(p) not in covered for p in model.parameters()):
+        raise ValueError("a parameter that was frozen (requires_grad=False) when the optimizer was built, or added "
+                         "to the model since, requires gradients now: FOOVB keeps a posterior only for the "
+                         "parameters trainable at construction. Build FOOVB with every parameter you will train "
+                         "trainable and freeze layers after building (a frozen layer is left out of the step), or "
+                         "freeze that parameter again")
 
 
 def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:

@@ -60,6 +60,7 @@ class _Progress:
 
     steps_taken: int = 0
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
+    sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
 
 
@@ -194,6 +195,7 @@ class FOOVB(torch.optim.Optimizer):
         for block in self.blocks:
             for param, mean in zip(block.params, block.mean_values(), strict=True):
                 param.copy_(mean)
+        self._progress.sample_loaded = False
         drop_autocast_cache()
 
     def draw_noise(self, seed: int, samples: range, *, antithetic: bool = False,
@@ -209,6 +211,7 @@ class FOOVB(torch.optim.Optimizer):
     @torch.no_grad()
     def load_sample(self, noises: dict[PosteriorBlock, Tensor], row: int) -> None:
         """Load the network of row `row` of `noises` (from `draw_noise`) into the model."""
+        self._progress.sample_loaded = True
         with full_precision():
             for block, noise in noises.items():
                 block.load_sample(noise[row])
@@ -265,6 +268,7 @@ class FOOVB(torch.optim.Optimizer):
 
         `batch_size` as in `step`. `step(closure)` is this loop with the closure as the block.
         """
+        self._refuse_nested_sample("sampled_params()")
         if train:
             if seed is not None:
                 raise ValueError("seed is for inspection (train=False): training samples come from the "
@@ -280,6 +284,14 @@ class FOOVB(torch.optim.Optimizer):
             yield Sample(0)
         finally:
             self.load_mean_into_model()
+
+    def _refuse_nested_sample(self, what: str) -> None:
+        """`what` needs the posterior mean in the model: not inside a step's closure or a sampled_params block,
+        whose sampled network it would replace; nor on a model whose parameters were replaced."""
+        if self._progress.sample_loaded:
+            raise RuntimeError(f"{what} inside a step's closure or a sampled_params block: the model holds a sampled "
+                               "network there, which it would replace (or predict from); call it between steps")
+        check_same_parameters(self.model, self.blocks, training=False)
 
     def _training_sample(self, batch_size: int | None, reports_loss: bool, restore_mean: bool = True,
                          defer: bool = False) -> contextlib.AbstractContextManager[Sample]:
@@ -300,7 +312,10 @@ class FOOVB(torch.optim.Optimizer):
         return self._pending
 
     def _adopt_model_weights(self) -> None:
-        """Values written into the parameters since the last step (load_state_dict, a copy) become the mean."""
+        """Values written into the parameters since the last step (load_state_dict, a copy) become the mean;
+        not while the model holds a sample the optimizer loaded (posterior() or state_dict() in a closure)."""
+        if self._progress.sample_loaded:
+            return
         for block in self.blocks:
             block.adopt_params()
 

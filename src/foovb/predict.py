@@ -91,6 +91,7 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be positive, got {num_samples}")
+    optimizer._refuse_nested_sample("sample_probabilities()")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     model, rows = optimizer.model, inputs.shape[0]
@@ -125,6 +126,7 @@ def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int
     """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0."""
     if num_samples < 0:
         raise ValueError(f"num_samples must be 0 (posterior mean only) or positive, got {num_samples}")
+    optimizer._refuse_nested_sample("predict()")
     model = optimizer.model
     with _EvalMode(model):
         mean = output_fn(model(inputs))
