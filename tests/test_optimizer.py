@@ -28,6 +28,7 @@ from torch import nn
 from foovb import FOOVB, solve_fixed_point
 from foovb.engine import mix as _mix
 from foovb.linalg import LowRank, root_scale, sqrt_covariance_update
+from foovb.predict import predict
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -1520,3 +1521,36 @@ def _tied_closure(model, x, y):
     loss = F.cross_entropy(model(x), y, reduction="sum")
     loss.backward()
     return loss
+
+
+class _Tempered(nn.Module):
+    """A linear layer and a learnable 0-dim log-temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.log_temperature = nn.Parameter(torch.tensor(0.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / self.log_temperature.exp()
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
+def test_a_zero_dim_parameter_is_trained_by_every_family(family):
+    """The full family failed at construction (reshape of a 0-dim chunk) and in its statistics (flatten(1))."""
+    torch.manual_seed(0)
+    model, x, y = _Tempered(), torch.randn(16, 4), torch.randint(3, (16,))
+    opt = FOOVB(model, family, 4, seed=0)
+    before = model.log_temperature.detach().clone()
+
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    view = opt.posterior(model.log_temperature)
+    assert view.mean.shape == view.std.shape == () and bool(torch.isfinite(view.std)) and view.std > 0
+    assert not torch.equal(view.mean, before) and torch.equal(view.mean, model.log_temperature.detach())
+    assert predict(opt, x, 3).samples.shape == (3, 16, 3)

@@ -264,7 +264,7 @@ class KroneckerBlock(PosteriorBlock):
     def split(self, matrix: Tensor) -> list[Tensor]:
         """(..., p, n) -> [weight (..., *weight.shape), bias (..., p)]."""
         lead = matrix.shape[:-2]
-        out = [matrix[..., : self.in_features].reshape(*lead, *self.params[0].shape)]
+        out = [matrix[..., : self.in_features].reshape((*lead, *self.params[0].shape))]
         if self.has_bias:
             out.append(matrix[..., self.in_features])
         return out
@@ -389,7 +389,7 @@ class FullBlock(PosteriorBlock):
 
     def split(self, flat: Tensor) -> list[Tensor]:
         lead = flat.shape[:-1]
-        return [chunk.reshape(*lead, *p.shape) for chunk, p in zip(flat.split(self.sizes, -1), self.params,
+        return [chunk.reshape((*lead, *p.shape)) for chunk, p in zip(flat.split(self.sizes, -1), self.params,
                                                                      strict=True)]
 
     def sample(self, noise: Tensor) -> list[Tensor]:
@@ -399,7 +399,7 @@ class FullBlock(PosteriorBlock):
         return {"grad_sum": torch.zeros_like(self.state["mean"]), "grad_noise": LowRank()}
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
-        flat = torch.cat([g.flatten(1) for g in grads], 1)  # (K, d)
+        flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads], 1)  # (K, d)
         stats["grad_sum"] += flat.sum(0)
         stats["grad_noise"].add(flat, noise)  # sum_k g_k eps_k^T
 
