@@ -138,6 +138,52 @@ def test_custom_output_fn_and_invalid_sample_count():
         predict(opt, x, -3)
 
 
+def test_prediction_arguments_are_checked_and_seed_none_draws_fresh_networks():
+    """seed=None was a TypeError from deep inside the noise mixing; a float count, a TypeError from range()."""
+    model, opt = trained("diagonal")
+    x, _ = mlp_batch(seed=5)
+    first, second = predict(opt, x, K, seed=None).samples, predict(opt, x, K, seed=None).samples
+    assert first.shape == (K, x.shape[0], 3) and not torch.equal(first, second)
+    for arguments, error in (({"num_samples": 4.0}, "num_samples must be an int"),
+                             ({"num_samples": K, "seed": 1.5}, "seed must be an int or None"),
+                             ({"num_samples": K, "chunk_size": 2.5}, "chunk_size must be an int")):
+        with pytest.raises(TypeError, match=error):
+            predict(opt, x, **arguments)
+
+
+class _Residual(nn.Module):
+    """A skip connection from the input (x + relu(fc(x))), on inputs of any number of leading dimensions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + torch.relu(self.fc(x)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", [(8, 4), (2, 5, 4)])
+def test_models_the_stacked_route_cannot_follow_are_predicted_one_network_at_a_time(family, shape):
+    """A residual MLP (the input added to a layer's output) and token-wise inputs (batch, tokens, features):
+    step(closure) trains them, and predict() raised (a size mismatch, "the batched path supports 2-D inputs")."""
+    model = _Residual()
+    opt = FOOVB(model, family, K, seed=0)
+    x = torch.randn(shape)
+    samples = sample_probabilities(opt, x, K, seed=10)  # predict() itself wants outputs of shape (rows, classes)
+    assert samples.shape == (K, *shape[:-1], 3)
+    if len(shape) == 2:
+        assert torch.equal(predict(opt, x, K, seed=10).samples, samples)
+    noises = opt.draw_noise(10, range(K))
+    model.eval()
+    for k in range(K):  # the networks of draw_noise(seed, range(K)), as on either route
+        opt.load_sample(noises, k)
+        with torch.no_grad():
+            torch.testing.assert_close(samples[k], torch.softmax(model(x), -1))
+    opt.load_mean_into_model()
+
+
 def _layernorm_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 3))

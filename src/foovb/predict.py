@@ -80,52 +80,72 @@ def _stacks_samples(optimizer: FOOVB) -> bool:
 
 
 @torch.no_grad()
-def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, seed: int = 0,
+def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, seed: int | None = 0,
                          chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Tensor:
     """Class probabilities of `num_samples` networks drawn from the posterior, (K, r, C).
 
     Uses the batched path when the model allows it (nn.Linear / nn.Conv2d parameters) and, on the CPU, has
     neither an nn.Conv2d nor a wide layer (`engine.stacking_is_slower`: stacked, conv nets' predictions were
-    measured 1.3-2x slower than one network at a time, a 784-1000-1000-10 MLP's 1.2x); else loads the samples
-    one at a time. `seed` fixes the draws (independent of the training noise stream), the same on both routes.
+    measured 1.3-2x slower than one network at a time, a 784-1000-1000-10 MLP's 1.2x); else, or when the stacked
+    forward fails (a skip connection from the input, inputs of more than 2 dimensions), loads the samples one at
+    a time. `seed` fixes the draws (independent of the training noise stream), the same on both routes; None:
+    fresh draws (from torch's global generator, as `sampled_params()`).
     """
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be positive, got {num_samples}")
+    _check_count("num_samples", num_samples, minimum=1)
+    if chunk_size is not None:
+        _check_count("chunk_size", chunk_size, minimum=1)
+    if seed is None:
+        seed = int(torch.randint(2**62, (1,)).item())
+    elif not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
     optimizer._refuse_nested_sample("sample_probabilities()")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    model, rows = optimizer.model, inputs.shape[0]
-    with _EvalMode(model):
-        if not _stacks_samples(optimizer):  # one network at a time, the same draws as the batched route
-            noises = optimizer.draw_noise(seed, range(num_samples))
-            outputs = []
+    with _EvalMode(optimizer.model):
+        if _stacks_samples(optimizer):
             try:
-                for k in range(num_samples):
-                    optimizer.load_sample(noises, k)
-                    outputs.append(output_fn(model(inputs)))
-            finally:
-                optimizer.load_mean_into_model()
-            return torch.stack(outputs)
-        modules: dict[nn.Module, list] = {}
-        for block in optimizer.blocks:
-            modules.setdefault(block.module, []).append(block)
-        chunk = num_samples if chunk_size is None else chunk_size
+                return _stacked_probabilities(optimizer, inputs, num_samples, seed, chunk_size, output_fn)
+            except (RuntimeError, ValueError):  # a forward the stacked layers cannot follow: one at a time
+                pass
+        noises = optimizer.draw_noise(seed, range(num_samples))
         outputs = []
-        for start in range(0, num_samples, chunk):
-            samples = range(start, min(start + chunk, num_samples))
-            noises = optimizer.draw_noise(seed, samples)
-            with SampledNetwork(modules, noises, len(samples), rows, track_grad=False):
-                out = output_fn(model(inputs))
-            outputs.append(out.unflatten(0, (len(samples), rows)))
-        return torch.cat(outputs)
+        try:
+            for k in range(num_samples):
+                optimizer.load_sample(noises, k)
+                outputs.append(output_fn(optimizer.model(inputs)))
+        finally:
+            optimizer.load_mean_into_model()
+        return torch.stack(outputs)
+
+
+def _stacked_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, seed: int, chunk_size: int | None,
+                           output_fn: OutputFn) -> Tensor:
+    """`sample_probabilities` with the samples of a chunk stacked in one forward (`SampledNetwork`)."""
+    modules: dict[nn.Module, list] = {}
+    for block in optimizer.blocks:
+        modules.setdefault(block.module, []).append(block)
+    chunk = num_samples if chunk_size is None else chunk_size
+    outputs = []
+    for start in range(0, num_samples, chunk):
+        samples = range(start, min(start + chunk, num_samples))
+        noises = optimizer.draw_noise(seed, samples)
+        with SampledNetwork(modules, noises, len(samples), inputs.shape[0], track_grad=False):
+            out = output_fn(optimizer.model(inputs))
+        outputs.append(out.unflatten(0, (len(samples), inputs.shape[0])))
+    return torch.cat(outputs)
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")
 
 
 @torch.no_grad()
-def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int = 0,
+def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int | None = 0,
             chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Predictions:
-    """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0."""
-    if num_samples < 0:
-        raise ValueError(f"num_samples must be 0 (posterior mean only) or positive, got {num_samples}")
+    """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0
+    (`sample_probabilities`; `seed` None: fresh draws)."""
+    _check_count("num_samples", num_samples, minimum=0)
     optimizer._refuse_nested_sample("predict()")
     model = optimizer.model
     with _EvalMode(model):
