@@ -621,10 +621,10 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(saved_config(run_dir))}
 
 
-def saved_config(run_dir: Path) -> Config:
+def saved_config(run_dir: str | Path) -> Config:
     """The config a run directory was started with (its config.yaml); a ConfigError naming that file if it is
     missing or damaged."""
-    path = run_dir / "config.yaml"
+    path = Path(run_dir) / "config.yaml"
     try:
         return config_from_dict(yaml.safe_load(path.read_text()))
     except FileNotFoundError:
