@@ -1272,6 +1272,45 @@ def test_batched_path_with_frozen_weight_matches_sequential(family):
         torch.testing.assert_close(got, want, **TOLERANCE[F64])
 
 
+class _TwoHeads(nn.Module):
+    """A body and one nn.Linear head per task; a batch uses one head (task-aware models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 6)
+        self.heads = nn.ModuleList([nn.Linear(6, 3), nn.Linear(6, 3)])
+        self.task = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads[self.task](torch.relu(self.body(x)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_path_with_an_unused_head_matches_sequential(family):
+    """The matrix-variate batched step raised "no gradient reached Linear" for the head the batch does not use;
+    the sequential step leaves its posterior as it was (zero gradients), as the batched one now does."""
+    x, y = mlp_batch()
+    x = x.double()
+    runs = []
+    for batched in (False, True):
+        model = _TwoHeads().double()
+        opt = FOOVB(model, family, 4, seed=0, **PAPER)
+        unused = [t.clone() for t in posterior_snapshot(opt)]
+        opt.step_batched(x, y) if batched else opt.step(ce_closure(model, x, y))
+        runs.append(posterior_snapshot(opt))
+        head = opt.posterior(model.heads[0].weight)
+        assert torch.equal(head.mean, model.heads[0].weight.detach())
+        assert any(not torch.equal(a, b) for a, b in zip(runs[-1], unused, strict=True))
+    for got, want in zip(runs[1], runs[0], strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCE[F64])
+    fresh = _TwoHeads().double()
+    prior = FOOVB(fresh, family, 4, seed=0, **PAPER)
+    for p, q in zip(model.heads[0].parameters(), fresh.heads[0].parameters(), strict=True):  # kept its prior
+        assert torch.equal(opt.posterior(p).mean, prior.posterior(q).mean)
+        torch.testing.assert_close(opt.posterior(p).std, prior.posterior(q).std, **TOLERANCE[F64])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Posterior views
 # ---------------------------------------------------------------------------------------------------------

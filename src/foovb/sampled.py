@@ -180,6 +180,11 @@ class _Layer:
                 block.accumulate(stats[block], noise, grads)
             return
         block: KroneckerBlock = self.blocks[0]
+        if not self.saved:  # not called in this forward (a head of another task): zero gradients, as step(closure)
+            (phi,) = self.noises
+            block.accumulate(stats[block], phi, [p.new_zeros((phi.shape[0], *p.shape), dtype=block.state["mean"].dtype)
+                                                 for p in block.params])
+            return
         if "delta" not in self.saved:
             raise RuntimeError(f"no gradient reached {type(self.module).__name__}: is its output used by the loss?")
         (phi,) = self.noises
