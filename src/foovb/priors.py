@@ -140,7 +140,20 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
         else:
             blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
                                         settings["std_growth"], settings["cov_momentum"]) for p in direct)
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None:
+            _fix_padding_row(blocks[-1], module.weight, module.padding_idx)  # the table's one block
     return blocks
+
+
+@torch.no_grad()
+def _fix_padding_row(block: PosteriorBlock, weight: Tensor, padding_idx: int) -> None:
+    """An embedding's padding row gets no gradient, so torch never changes it; a prior std there would put noise
+    on every padding token of every sampled network, never reduced. Its std is 0: it stays at its value."""
+    if isinstance(block, DiagonalBlock):
+        block.state["std"][padding_idx] = 0
+    else:  # FullBlock, the weight first: the row's entries are padding_idx * dim ... + dim of the flat vector
+        dim = weight.shape[1]
+        block.state["sqrt_cov"][padding_idx * dim : (padding_idx + 1) * dim] = 0
 
 
 def prior_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str,
