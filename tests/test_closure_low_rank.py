@@ -290,6 +290,21 @@ def test_values_read_in_the_closure_are_the_samples():
     assert not torch.allclose(deferred[0], means[:, :12])
 
 
+def test_a_nan_from_the_data_is_refused_and_keeps_deferral_on():
+    """A non-finite loss is redone with every weight formed, in case a deferred weight was read unseen; when the
+    redone sample is non-finite too (the data), the step is refused as in the other families, and deferral (the
+    fast route) stayed off for good before."""
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = FOOVB(model, "kronecker", mc_samples=4, seed=0, antithetic=False)
+    x, y = batch()
+    x = x.clone()
+    x[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        opt.step(summed(model, x, y))
+    assert opt._defer_linear_samples and opt.steps_taken == 0
+
+
 def test_a_use_the_capture_cannot_see_is_redone_with_formed_samples():
     """A forward in another thread reads the parameters unseen (unsampled values): the gradient that the
     capture did not give is caught, the sample redone with every weight formed, and deferral stays off."""

@@ -420,11 +420,13 @@ def evaluate_sequential(opt: FOOVB, closure: Callable[[], Tensor], batch_size: i
                     if not isinstance(loss, Tensor):
                         raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
                     sample.loss = float(loss.detach())
-                break
-            except UnseenUse:  # the closure read a deferred weight unseen: redo the sample with all loaded
+            except UnseenUse:  # the closure may have read a deferred weight unseen: redo the sample with all loaded
                 if not defer:
                     raise
-                opt._defer_linear_samples = False
+                continue
+            if not defer and math.isfinite(sample.loss):  # loaded, it was finite: keep them loaded from now on
+                opt._defer_linear_samples = False  # (a non-finite loss either way, e.g. from the data, is no sign)
+            break
 
 
 def check_batched_step(opt: FOOVB, inputs: Tensor, targets: Tensor,
