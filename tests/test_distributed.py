@@ -55,9 +55,10 @@ def batch(step: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- the training both the workers and the parent run --------------------------------------------------------
 def train(family: str, path: str, inputs: int, mode: str | None,
-          record_noise: bool = False, reduction: str = "sum") -> dict[str, Any]:
+          record_noise: bool = False, reduction: str = "sum", rows: int = 7) -> dict[str, Any]:
     """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
-    reduction "mean": the batch's mean loss over 7 rows (data mode: shards of 4 and 3 rows), else the sum."""
+    reduction "mean": the batch's mean loss over `rows` rows (data mode, 7: shards of 4 and 3 rows), else the
+    sum over all ROWS."""
     model = mlp(inputs)
     options = PAPER if reduction == "sum" else {"preset": "paper"}
     optimizer = FOOVB(model, family, K, seed=7, **options)
@@ -78,7 +79,7 @@ def train(family: str, path: str, inputs: int, mode: str | None,
     for step in range(STEPS):
         x, y = batch(step, inputs)
         if reduction == "mean":
-            x, y = x[:7], y[:7]
+            x, y = x[:rows], y[:rows]
         if mode == "data":
             x, y = shard_batch(x, y)
         if path == "batched":
@@ -106,6 +107,9 @@ def job_equivalence(rank: int) -> dict[str, Any]:
         out[("data", family, path, inputs)] = train(family, path, inputs, "data")
     for family, path in MEAN_CASES:
         out[("data-mean", family, path, 4)] = train(family, path, 4, "data", reduction="mean")
+        out[("mc-mean", family, path, 4)] = train(family, path, 4, "mc", reduction="mean")
+    for path in PATHS:  # shards of 2 rows and 1 row: a mean over one row is a mean too
+        out[("data-mean-3", "diagonal", path, 4)] = train("diagonal", path, 4, "data", reduction="mean", rows=3)
     try:  # K = 1 < 2 processes: every process raises the same ValueError after a consistent check
         distribute(FOOVB(mlp(), "diagonal", 1, seed=7, **PAPER), "mc")
     except ValueError as error:
@@ -312,6 +316,23 @@ def test_data_parallel_with_a_mean_loss_equals_single_process_on_full_batch(resu
     single = train(family, path, 4, None, reduction="mean")
     for rank in range(WORLD):
         assert_close_posteriors(results[rank][("data-mean", family, path, 4)], single)
+
+
+@pytest.mark.parametrize(("family", "path"), MEAN_CASES)
+def test_mc_parallel_with_a_mean_loss_reports_the_single_process_loss(results: list[dict], family: str,
+                                                                     path: str) -> None:
+    """Each sample's loss comes from one process: it was multiplied by the batch's rows (in one version)."""
+    single = train(family, path, 4, None, reduction="mean")
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("mc-mean", family, path, 4)], single)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_data_parallel_with_a_one_row_shard_reports_the_whole_batchs_mean(results: list[dict], path: str) -> None:
+    """Shards of 2 rows and 1 row: the one-row mean was taken for a sum, (2 m_a + l_b) / 2 was reported."""
+    single = train("diagonal", path, 4, None, reduction="mean", rows=3)
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("data-mean-3", "diagonal", path, 4)], single)
 
 
 def test_ranks_stay_identical(results: list[dict]) -> None:

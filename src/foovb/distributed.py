@@ -319,7 +319,8 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
     loss_dtype = functools.reduce(torch.promote_types, [t.dtype for t in pieces], torch.float32)
     data_mode = reducer.mode == "data"
     loss_vector = torch.zeros(num_samples + data_mode, dtype=loss_dtype)
-    loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype) * (loss_rows or 1.0)
+    loss_vector[shard.start : shard.stop] = torch.tensor(losses, dtype=loss_dtype) * (
+        (loss_rows or 1.0) if data_mode else 1.0)  # MC mode: each sample's loss is one process's
     if data_mode:
         loss_vector[-1] = loss_rows
     pieces.append(loss_vector)

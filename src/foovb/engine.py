@@ -258,7 +258,7 @@ class Step:
             check_gradients(opt.blocks)
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 self.grad_scale = spy.scale(opt.loss_reduction, self.batch_size)
-                self.loss_rows = self.grad_scale if self.grad_scale != 1 else 0.0
+                self.loss_rows = self.grad_scale if spy.reads_a_mean(opt.loss_reduction, self.batch_size) else 0.0
             self.running.record()
             self.losses.append(sample.loss if reports_loss else spy.loss)
             if capture is not None and capture.compiled:  # shown once per process (Python's default filter)
@@ -348,7 +348,7 @@ class Step:
                         network.accumulate(self.stats, grad_scale, shared_inputs)
                 value = float(loss.detach())
                 self.losses.extend([value if reduction.kind == "mean" else value / c] * c)
-                self.loss_rows = grad_scale / c if grad_scale != 1 else 0.0
+                self.loss_rows = grad_scale / c if reduction.kind == "mean" or opt.loss_reduction == "mean" else 0.0
                 self.count += c
         except BaseException:
             opt._pending = None

@@ -344,6 +344,11 @@ class LossSpy(TorchFunctionMode):
                 "loss. Use the loss function's reduction='sum' for each micro-batch")
         return scales[0]
 
+    def reads_a_mean(self, declared: str, batch_size: int | None) -> bool:
+        """Whether the closure's loss is a mean (over one row, too), not the batch's sum, once `scale` accepted it."""
+        return batch_size is not None or declared == "mean" or any(
+            r.kind == "mean" or (r.of_one_row == "mean" and self.rows == {1}) for r in self.reductions)
+
     @property
     def loss(self) -> float | None:
         """The sum of the losses backward() was called on (None if it was not)."""
