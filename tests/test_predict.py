@@ -1,5 +1,6 @@
 """foovb.predict (posterior-mean and sampled-network probabilities) and FOOVB.sampled_params."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, PAPER, all_equal, cnn, cnn_batch, mlp, mlp_batch, params_snapshot, posterior_snapshot
@@ -144,6 +145,8 @@ def test_prediction_arguments_are_checked_and_seed_none_draws_fresh_networks():
     x, _ = mlp_batch(seed=5)
     first, second = predict(opt, x, K, seed=None).samples, predict(opt, x, K, seed=None).samples
     assert first.shape == (K, x.shape[0], 3) and not torch.equal(first, second)
+    numpy_ints = predict(opt, x, np.int64(K), seed=np.int64(3), chunk_size=np.int64(2)).samples
+    assert torch.equal(numpy_ints, predict(opt, x, K, seed=3).samples)  # numpy integers are integers
     for arguments, error in (({"num_samples": 4.0}, "num_samples must be an int"),
                              ({"num_samples": K, "seed": 1.5}, "seed must be an int or None"),
                              ({"num_samples": K, "chunk_size": 2.5}, "chunk_size must be an int")):

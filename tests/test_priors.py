@@ -200,3 +200,25 @@ def test_an_embeddings_padding_row_stays_fixed_in_every_sampled_network(family):
     for seed in range(3):
         with opt.sampled_params(seed=seed):
             assert torch.equal(model.table.weight[0], torch.full((8,), 0.25))
+
+
+class _ScaledTable(nn.Embedding):
+    """An embedding table with a second trainable tensor in the same module (a per-dimension scale)."""
+
+    def __init__(self) -> None:
+        super().__init__(10, 4, padding_idx=2)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.scale
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
+def test_the_padding_row_is_found_beside_another_tensor_of_the_module(family):
+    """The table's block was taken to be the module's last: the scale got std 0 (never trained) instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ScaledTable(), nn.Linear(4, 2))
+    opt = FOOVB(model, family, 2, seed=0)
+    table = opt.posterior(model[0].weight).std
+    assert torch.equal(table[2], torch.zeros(4)) and bool((table[[0, 1, 3]] > 0).all())
+    assert bool((opt.posterior(model[0].scale).std > 0).all())

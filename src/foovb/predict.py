@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .engine import stacking_is_slower
 from .optimizer import FOOVB
 from .sampled import SampledNetwork, check_batched_support
+from .validation import is_integer
 
 __all__ = ["Predictions", "predict", "sample_probabilities"]
 
@@ -96,8 +97,9 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
         _check_count("chunk_size", chunk_size, minimum=1)
     if seed is None:
         seed = int(torch.randint(2**62, (1,)).item())
-    elif not isinstance(seed, int) or isinstance(seed, bool):
+    elif not is_integer(seed):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
+    seed = int(seed)
     optimizer._refuse_nested_sample("sample_probabilities()")
     with _EvalMode(optimizer.model):
         if _stacks_samples(optimizer):
@@ -134,7 +136,7 @@ def _stacked_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, s
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_integer(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {value}")

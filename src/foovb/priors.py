@@ -140,8 +140,10 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
         else:
             blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
                                         settings["std_growth"], settings["cov_momentum"]) for p in direct)
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None:
-            _fix_padding_row(blocks[-1], module.weight, module.padding_idx)  # the table's one block
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None \
+                and module.weight.requires_grad:
+            table_block = next(b for b in blocks if any(p is module.weight for p in b.params))
+            _fix_padding_row(table_block, module.weight, module.padding_idx)
     return blocks
 
 
@@ -151,9 +153,10 @@ def _fix_padding_row(block: PosteriorBlock, weight: Tensor, padding_idx: int) ->
     on every padding token of every sampled network, never reduced. Its std is 0: it stays at its value."""
     if isinstance(block, DiagonalBlock):
         block.state["std"][padding_idx] = 0
-    else:  # FullBlock, the weight first: the row's entries are padding_idx * dim ... + dim of the flat vector
+    else:  # FullBlock: the row's entries of the flat vector of all the module's parameters
+        start = sum(p.numel() for p in block.params[: next(i for i, p in enumerate(block.params) if p is weight)])
         dim = weight.shape[1]
-        block.state["sqrt_cov"][padding_idx * dim : (padding_idx + 1) * dim] = 0
+        block.state["sqrt_cov"][start + padding_idx * dim : start + (padding_idx + 1) * dim] = 0
 
 
 def prior_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str,
