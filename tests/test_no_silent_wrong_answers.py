@@ -200,6 +200,7 @@ def test_a_gradient_given_to_backward_scales_the_loss():
     lambda loss: torch.autograd.backward(tensors=(loss,), grad_tensors=(None,)),
     lambda loss: torch.autograd.backward(loss / 2, grad_tensors=torch.tensor(2.0)),
     lambda loss: torch.autograd.backward((loss * 2,), [torch.tensor(0.5)]),
+    lambda loss: torch.autograd.backward([loss * 2], grad_tensors=(g for g in [torch.tensor(0.5)])),
 ])
 def test_torch_autograd_backward_is_read_as_loss_backward(call):
     """torch.autograd.backward hands the loss as a tuple and the gradients as grad_tensors=: it was skipped, and

@@ -237,7 +237,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     if kind == _NO_BACKWARD:
         raise ValueError(
             "the closure filled the gradients without calling backward() on a loss (gradients computed by "
-            "torch.autograd.grad and written into .grad are not seen), so how the loss was reduced cannot be read: "
+            "torch.autograd.grad and written into .grad are not seen, nor torch.autograd.backward on a torch "
+            "whose autograd.backward has no torch-function dispatch), so how the loss was reduced cannot be read: "
             "call loss.backward() "
             f"in the closure, or say it: step(closure, batch_size={n or 'n'}) for a mean over the batch's rows, "
             "FOOVB(..., loss_reduction='sum') for their sum")
@@ -308,6 +309,11 @@ class LossSpy(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if func is torch.autograd.backward:  # gradients given as an iterator: read once, passed on as a tuple
+            if len(args) > 1 and not isinstance(args[1], (Tensor, list, tuple, type(None))):
+                args = (args[0], tuple(args[1]), *args[2:])
+            if not isinstance(kwargs.get("grad_tensors"), (Tensor, list, tuple, type(None))):
+                kwargs = {**kwargs, "grad_tensors": tuple(kwargs["grad_tensors"])}
         if func is Tensor.backward or func is torch.autograd.backward:
             self._record(func, args, kwargs)
         return func(*args, **kwargs)
