@@ -287,3 +287,21 @@ def test_manual_optimization_with_sampled_params_blocks_takes_the_plain_loops_st
     for step in range(steps):
         for got, want in zip(snapshots.posteriors[step], manual[step], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_attributes_written_through_lightnings_optimizer_wrapper_reach_the_optimizer():
+    """LightningOptimizer forwards reads to the optimizer and keeps what is written through it: a state dict
+    loaded through `self.optimizers()` set its step sizes on the wrapper (the optimizer stepped with the old
+    ones), and `distribute(self.optimizers(), ...)` left the optimizer without its reducer."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    net = make_net(0)
+    opt = FOOVB(net, mc_samples=K, mean_step=MEAN_STEP, seed=0)
+    saved = FOOVB(make_net(1), mc_samples=K, mean_step=0.1, seed=1).state_dict()
+    wrapper = LightningOptimizer(opt)
+    wrapper.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == opt.mean_step == wrapper.mean_step == 0.1
+    assert torch.equal(opt.posterior(net[0].weight).mean, make_net(1)[0].weight.detach())
+    reducer = object()
+    wrapper.statistics_reducer = reducer
+    assert opt.statistics_reducer is reducer

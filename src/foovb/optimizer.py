@@ -54,10 +54,12 @@ def _step_size(key: str, doc: str) -> property:
 
 @dataclass
 class _Progress:
-    """What changes from step to step besides the posterior, in one object: a wrapper that copies the optimizer's
-    __dict__ (Lightning's LightningOptimizer, whose sampled_params blocks a manual-optimization training_step
-    runs) shares it with the optimizer whose step() it calls."""
+    """What changes from step to step besides the posterior, in one object that the optimizer's properties write
+    to: a wrapper that forwards attribute reads to the optimizer but keeps the attributes written through it
+    (Lightning's LightningOptimizer, on which a manual-optimization training_step runs sampled_params blocks)
+    then shares it with the optimizer whose step() it calls."""
 
+    statistics_reducer: StatisticsReducer | None = None  # how processes combine a step (foovb.distributed)
     steps_taken: int = 0
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
@@ -139,9 +141,6 @@ class FOOVB(torch.optim.Optimizer):
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
         self._progress = _Progress()
-        # How the statistics of a step are combined across processes: None (one process), or the object that
-        # foovb.distributed.distribute sets (its `samples` and `reduce`, see `StatisticsReducer`)
-        self.statistics_reducer: StatisticsReducer | None = None
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
@@ -152,6 +151,9 @@ class FOOVB(torch.optim.Optimizer):
         self._linear_kronecker = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
         self.load_mean_into_model()
 
+    statistics_reducer = _progress("statistics_reducer", "How the statistics of a step are combined across "
+                                   "processes: None (one process), or what foovb.distributed.distribute sets (its "
+                                   "`samples` and `reduce`, see `StatisticsReducer`).")
     steps_taken = _progress("steps_taken", "Updates applied so far.")
     _pending = _progress("pending", "A step begun by sampled_params(train=True) blocks, or None.")
     _defer_linear_samples = _progress("defer_linear_samples", "Whether step(closure) forms the matrix-variate "
@@ -378,6 +380,22 @@ class FOOVB(torch.optim.Optimizer):
                           for index, param_state in state["state"].items()}
         state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's load_state_dict ends here. Through a wrapper that forwards attribute reads to the optimizer
+        (Lightning's LightningOptimizer), the optimizer's own param_groups and state are updated in place: set on
+        the wrapper, the loaded step sizes were its alone, and the optimizer stepped with the old ones."""
+        if "param_groups" not in vars(self) and "_progress" not in vars(self):
+            try:
+                groups, current = self.param_groups, self.state  # the wrapped optimizer's
+            except AttributeError:  # unpickling: nothing to update
+                groups = None
+            if groups is not None:
+                groups[:] = state["param_groups"]
+                current.clear()
+                current.update(state["state"])
+                return
+        super().__setstate__(state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
