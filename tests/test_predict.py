@@ -280,3 +280,13 @@ def test_conv_model_samples_one_network_at_a_time_on_the_cpu(family, monkeypatch
     stacked = sample_probabilities(opt, x, K, seed=3)
     torch.testing.assert_close(sequential, stacked, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(stacked[0], stacked[1])  # K different networks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_predictions_under_autocast_have_one_dtype(family):
+    """Under bfloat16 autocast the mean was bfloat16 and the samples float32 (diagonal, full) or bfloat16."""
+    model, opt = trained(family)
+    x, _ = mlp_batch(seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pred = predict(opt, x, K)
+    assert pred.samples.dtype == pred.mean.dtype

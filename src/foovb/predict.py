@@ -153,5 +153,5 @@ def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int
     with _EvalMode(model):
         mean = output_fn(model(inputs))
     samples = (sample_probabilities(optimizer, inputs, num_samples, seed=seed, chunk_size=chunk_size,
-                                    output_fn=output_fn) if num_samples > 0 else None)
-    return Predictions(mean=mean, samples=samples)
+                                    output_fn=output_fn).to(mean.dtype) if num_samples > 0 else None)
+    return Predictions(mean=mean, samples=samples)  # one dtype (under autocast the routes' outputs differ)
