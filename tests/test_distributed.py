@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import PAPER, make_generator, params_snapshot, posterior_snapshot
+from conftest import PAPER, all_equal, make_generator, params_snapshot, posterior_snapshot
 from torch import nn
 
 import foovb.distributed as fd
@@ -178,6 +178,20 @@ def job_distribute_state(rank: int) -> dict:
             out["differing"][name] = None
         except ValueError as error:
             out["differing"][name] = str(error)
+    # 2b. layers of other shapes with the same number of blocks and posterior size: 5-4-6-3 against 5-2-10-3
+    widths = ((4, 6), (2, 10))[rank]
+    layered = nn.Sequential(nn.Linear(5, widths[0]), nn.ReLU(), nn.Linear(*widths), nn.ReLU(), nn.Linear(widths[1], 3))
+    try:
+        distribute(FOOVB(layered, "diagonal", 4, seed=7, **PAPER), "mc")
+        out["differing"]["shapes"] = None
+    except ValueError as error:
+        out["differing"]["shapes"] = str(error)
+    # 2c. weights loaded into the model after FOOVB was built, before distribute: they are the shared mean
+    model = mlp(seed=0)
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
+    model.load_state_dict(mlp(seed=5).state_dict())
+    distribute(optimizer, "mc")
+    out["loaded_then_distributed"] = params_snapshot(model)
     # 3. the per-sample losses all_reduce_statistics returns (MC mode: sample k's loss at index k)
     reduced = []
     original = fd.all_reduce_statistics
@@ -515,11 +529,18 @@ def test_distribute_gives_every_process_the_first_process_state(state_results):
             f"rank {rank}: model parameters"
 
 
-@pytest.mark.parametrize("name", ["cov_step", "alpha", "std_growth", "cov_momentum"])
+def test_weights_loaded_before_distribute_are_the_mean_every_process_starts_from(state_results):
+    """distribute broadcast the mean the optimizer was built with and wrote it over the loaded weights."""
+    for rank in range(WORLD):
+        assert all_equal(state_results[rank]["loaded_then_distributed"], params_snapshot(mlp(seed=5))), rank
+
+
+@pytest.mark.parametrize("name", ["cov_step", "alpha", "std_growth", "cov_momentum", "shapes"])
 def test_any_differing_hyperparameter_raises_on_every_rank(state_results, name):
     for rank in range(WORLD):
         message = state_results[rank]["differing"][name]
-        assert message is not None and f"disagree on {name}" in message, (rank, message)
+        want = "posterior shapes" if name == "shapes" else name
+        assert message is not None and f"disagree on {want}" in message, (rank, message)
 
 
 def test_all_reduced_losses_are_each_samples_loss_at_its_index(state_results):

@@ -160,7 +160,8 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
-            processes' optimizers differ in a hyperparameter (family, K, step sizes, options) or posterior size.
+            processes' optimizers differ in a hyperparameter (family, K, step sizes, options) or in the shapes of
+            their posteriors (the models' layers).
     """
     _require_initialized("foovb.distributed.distribute")
     if mode not in MODES:
@@ -169,12 +170,14 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
         raise ValueError("mode='data' needs loss_reduction 'auto' or 'sum': with 'mean' each process's loss would be "
                          "the mean over its own shard, and the shards' statistics could not be summed")
     group = _group_or_world(group)
+    optimizer._adopt_model_weights()  # weights loaded into the model since construction are the mean to share
     state = [block.state[key] for block in optimizer.blocks for key in sorted(block.state)]
     hyperparameters = {key: value for key, value in optimizer.param_groups[0].items() if key != "params"}
-    _check_same_everywhere(  # hyperparameters by a stable hash of their repr: any difference is caught
-        [MODES.index(mode), len(optimizer.blocks), sum(t.numel() for t in state),
+    shapes = repr([tuple(t.shape) for t in state])
+    _check_same_everywhere(  # hyperparameters and shapes by a stable hash of their repr: any difference is caught
+        [MODES.index(mode), len(optimizer.blocks), sum(t.numel() for t in state), zlib.crc32(shapes.encode()),
          *(zlib.crc32(repr(value).encode()) for value in hyperparameters.values())],
-        ["mode", "number of posterior blocks", "posterior size", *hyperparameters], group)
+        ["mode", "number of posterior blocks", "posterior size", "posterior shapes", *hyperparameters], group)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     num_samples = optimizer.mc_samples
     shard = sample_range(num_samples, rank, world_size) if mode == "mc" else range(num_samples)
