@@ -256,6 +256,23 @@ def test_a_mean_loss_plus_a_constant_is_the_mean(offset):
     assert_same_posterior(one_step(lambda out, y: offset(F.cross_entropy(out, y))), one_step(summed_ce))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_label_smoothing_on_a_batch_of_one_row_is_the_batchs_loss(reduction):
+    """It was refused on one row ("adds a mean over 1 terms to something else"): a data-parallel shard of one row
+    then failed on that process alone. On more rows the same loss is still read as before."""
+    def smoothed(red):
+        return lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction=red)
+
+    def one_row_step(loss_fn):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, seed=3)
+        opt.step(closure_of(model, loss_fn, X[:1], Y[:1]))
+        return opt
+
+    assert_same_posterior(one_row_step(smoothed(reduction)), one_row_step(smoothed("sum")))
+    assert_same_posterior(one_step(smoothed(reduction)), one_step(smoothed("sum")))
+
+
 def test_a_mean_over_a_stack_of_means_is_refused():
     model = mlp()
     with pytest.raises(ValueError, match=r"a .mean\(\) over a stack of values"):

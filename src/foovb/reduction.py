@@ -149,6 +149,11 @@ def _read(node: object, depth: int = 0) -> LossReduction:
             rows = {part.terms for part in parts if not math.isnan(part.terms)}
             if len(rows) <= 1:
                 return LossReduction("sum", rows.pop() if rows else math.nan, factor=factor)
+        if len(parts) == 2 and any(part.of_one_row for part in parts) and all(
+                part.of_one_row or part.kind == "sum" or (part.kind == "mean" and part.terms == 1) for part in parts):
+            # label smoothing on one row: a mean over 1 term (or a sum) plus a .sum() of one element; the batch's
+            # loss if the batch has one row (loss_scale checks)
+            return LossReduction(name, math.nan, of_one_row="sum" if any(p.kind == "sum" for p in parts) else "mean")
         means = [part.terms if part.kind == "mean" else part.mean_inside for part in parts]
         return LossReduction(name, math.nan, next((n for n in means if not math.isnan(n)), math.nan))
     return LossReduction(name, math.nan)
