@@ -270,7 +270,7 @@ class FOOVB(torch.optim.Optimizer):
 
         `batch_size` as in `step`. `step(closure)` is this loop with the closure as the block.
         """
-        self._refuse_nested_sample("sampled_params()")
+        self._check_ready_to_sample("sampled_params()")
         if train:
             if seed is not None:
                 raise ValueError("seed is for inspection (train=False): training samples come from the "
@@ -287,7 +287,7 @@ class FOOVB(torch.optim.Optimizer):
         finally:
             self.load_mean_into_model()
 
-    def _refuse_nested_sample(self, what: str) -> None:
+    def _check_ready_to_sample(self, what: str) -> None:
         """`what` needs the posterior mean in the model: not inside a step's closure or a sampled_params block,
         whose sampled network it would replace; nor on a model whose parameters were replaced."""
         if self._progress.sample_loaded:
@@ -385,16 +385,11 @@ class FOOVB(torch.optim.Optimizer):
         """torch's load_state_dict ends here. Through a wrapper that forwards attribute reads to the optimizer
         (Lightning's LightningOptimizer), the optimizer's own param_groups and state are updated in place: set on
         the wrapper, the loaded step sizes were its alone, and the optimizer stepped with the old ones."""
-        if "param_groups" not in vars(self) and "_progress" not in vars(self):
-            try:
-                groups, current = self.param_groups, self.state  # the wrapped optimizer's
-            except AttributeError:  # unpickling: nothing to update
-                groups = None
-            if groups is not None:
-                groups[:] = state["param_groups"]
-                current.clear()
-                current.update(state["state"])
-                return
+        if "_progress" not in vars(self) and hasattr(self, "_progress"):  # read through a wrapper (not unpickling)
+            self.param_groups[:] = state["param_groups"]
+            self.state.clear()
+            self.state.update(state["state"])
+            return
         super().__setstate__(state)
 
     def load_state_dict(self, state_dict: dict) -> None:

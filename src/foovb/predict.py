@@ -100,7 +100,7 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     elif not is_integer(seed):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
     seed = int(seed)
-    optimizer._refuse_nested_sample("sample_probabilities()")
+    optimizer._check_ready_to_sample("sample_probabilities()")
     with _EvalMode(optimizer.model):
         if _stacks_samples(optimizer):
             try:
@@ -148,7 +148,7 @@ def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int
     """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0
     (`sample_probabilities`; `seed` None: fresh draws)."""
     _check_count("num_samples", num_samples, minimum=0)
-    optimizer._refuse_nested_sample("predict()")
+    optimizer._check_ready_to_sample("predict()")
     model = optimizer.model
     with _EvalMode(model):
         mean = output_fn(model(inputs))
