@@ -41,6 +41,7 @@ MC_CASES = [(family, path, 4) for family in ("diagonal", "kronecker", "full") fo
 DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path in PATHS] + [
     ("kronecker", path, 20) for path in PATHS]
 MEAN_CASES = [("diagonal", path) for path in PATHS] + [("kronecker", "closure")]
+BY_HAND = ("mean-by-hand", "sum-by-hand")  # sum / rows and mean * rows: a mean and a sum written by hand
 
 
 def mlp(inputs: int = 4, seed: int = 0) -> nn.Module:
@@ -57,8 +58,8 @@ def batch(step: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(family: str, path: str, inputs: int, mode: str | None,
           record_noise: bool = False, reduction: str = "sum", rows: int = 7) -> dict[str, Any]:
     """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
-    reduction "mean": the batch's mean loss over `rows` rows (data mode, 7: shards of 4 and 3 rows), else the
-    sum over all ROWS."""
+    reduction "mean" (or one of BY_HAND): the batch's mean (sum) loss over `rows` rows (data mode, 7: shards of 4
+    and 3 rows), else the sum over all ROWS."""
     model = mlp(inputs)
     options = PAPER if reduction == "sum" else {"preset": "paper"}
     optimizer = FOOVB(model, family, K, seed=7, **options)
@@ -75,19 +76,25 @@ def train(family: str, path: str, inputs: int, mode: str | None,
             return out
 
         optimizer.draw_noise = recording_draw
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if reduction == "mean-by-hand":
+            return F.cross_entropy(out, target, reduction="sum") / len(target)
+        if reduction == "sum-by-hand":
+            return F.cross_entropy(out, target) * len(target)
+        return F.cross_entropy(out, target, reduction=reduction)
+
     losses = []
     for step in range(STEPS):
         x, y = batch(step, inputs)
-        if reduction == "mean":
+        if reduction != "sum":
             x, y = x[:rows], y[:rows]
         if mode == "data":
             x, y = shard_batch(x, y)
         if path == "batched":
-            losses.append(optimizer.step_batched(x, y, lambda out, target: F.cross_entropy(
-                out, target, reduction=reduction)))
+            losses.append(optimizer.step_batched(x, y, loss_fn))
         else:
             def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
-                loss = F.cross_entropy(model(x), y, reduction=reduction)
+                loss = loss_fn(model(x), y)
                 loss.backward()
                 return loss
 
@@ -110,6 +117,8 @@ def job_equivalence(rank: int) -> dict[str, Any]:
         out[("mc-mean", family, path, 4)] = train(family, path, 4, "mc", reduction="mean")
     for path in PATHS:  # shards of 2 rows and 1 row: a mean over one row is a mean too
         out[("data-mean-3", "diagonal", path, 4)] = train("diagonal", path, 4, "data", reduction="mean", rows=3)
+        for reduction in BY_HAND:
+            out[("data-" + reduction, "diagonal", path, 4)] = train("diagonal", path, 4, "data", reduction=reduction)
     try:  # K = 1 < 2 processes: every process raises the same ValueError after a consistent check
         distribute(FOOVB(mlp(), "diagonal", 1, seed=7, **PAPER), "mc")
     except ValueError as error:
@@ -347,6 +356,21 @@ def test_data_parallel_with_a_one_row_shard_reports_the_whole_batchs_mean(result
     single = train("diagonal", path, 4, None, reduction="mean", rows=3)
     for rank in range(WORLD):
         assert_close_posteriors(results[rank][("data-mean-3", "diagonal", path, 4)], single)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("reduction", BY_HAND)
+def test_losses_written_by_hand_report_the_whole_batchs_loss(results: list[dict], path: str,
+                                                             reduction: str) -> None:
+    """sum / len(y) is a mean and mean * len(y) a sum: data-parallel training reported the sum of the shards'
+    means and the average of their sums, and step_batched reported a hand-written mean divided by K."""
+    single = train("diagonal", path, 4, None, reduction=reduction)
+    mean = train("diagonal", path, 4, None, reduction="mean")["losses"]
+    rows = 7
+    want = mean if reduction == "mean-by-hand" else [rows * loss for loss in mean]
+    torch.testing.assert_close(torch.tensor(single["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    for rank in range(WORLD):
+        assert_close_posteriors(results[rank][("data-" + reduction, "diagonal", path, 4)], single)
 
 
 def test_ranks_stay_identical(results: list[dict]) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .capture import LinearCapture, UnseenUse
 from .linalg import LowRank
 from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
-from .reduction import LossSpy, loss_reduction_of, loss_scale
+from .reduction import LossSpy, loss_reduction_of, loss_scale, reads_a_mean
 from .sampled import SampledNetwork, augmented_input, check_batched_support
 
 if TYPE_CHECKING:
@@ -346,9 +346,10 @@ class Step:
                         loss.backward()
                     with full_precision():
                         network.accumulate(self.stats, grad_scale, shared_inputs)
-                value = float(loss.detach())
-                self.losses.extend([value if reduction.kind == "mean" else value / c] * c)
-                self.loss_rows = grad_scale / c if reduction.kind == "mean" or opt.loss_reduction == "mean" else 0.0
+                value = float(loss.detach())  # a mean over the c stacked batches, or the sum of their losses
+                is_mean = reads_a_mean(reduction, opt.loss_reduction, None, frozenset({c * rows}))
+                self.losses.extend([value if is_mean else value / c] * c)
+                self.loss_rows = grad_scale / c if is_mean else 0.0
                 self.count += c
         except BaseException:
             opt._pending = None

@@ -253,6 +253,21 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows")
 
 
+def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int | None,
+                 rows: frozenset[int]) -> bool:
+    """Whether a loss that `loss_scale` accepted is a mean over the batch's rows (its scale turned it into their
+    sum; a mean over one row too), not their sum: over how many rows the reported loss of a data-parallel step
+    averages. A sum divided by the rows by hand is a mean; a mean multiplied by its terms by hand, a sum."""
+    if batch_size is not None:
+        return True
+    if reduction is None or declared == "sum":
+        return False
+    kind, _, _, factor, of_one_row = reduction
+    if of_one_row and rows == frozenset({1}):
+        kind = of_one_row
+    return (kind == "mean" and factor == 1) or (kind == "sum" and factor != 1)
+
+
 _ACTIVE_SPIES: list[LossSpy] = []  # the spies of the steps running now (a step inside a step's closure: two)
 _MODULE_HOOKS: list = []
 
@@ -356,9 +371,9 @@ class LossSpy(TorchFunctionMode):
         return scales[0]
 
     def reads_a_mean(self, declared: str, batch_size: int | None) -> bool:
-        """Whether the closure's loss is a mean (over one row, too), not the batch's sum, once `scale` accepted it."""
-        return batch_size is not None or declared == "mean" or any(
-            r.kind == "mean" or (r.of_one_row == "mean" and self.rows == {1}) for r in self.reductions)
+        """Whether the closure's loss is a mean, not the batch's sum (`reads_a_mean`), once `scale` accepted it."""
+        rows = frozenset(self.rows)
+        return batch_size is not None or any(reads_a_mean(r, declared, batch_size, rows) for r in self.reductions)
 
     @property
     def loss(self) -> float | None:
