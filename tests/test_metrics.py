@@ -58,7 +58,10 @@ def test_unknown_modes_and_bad_shapes_raise():
     with pytest.raises(ValueError, match="samples"):
         Predictions(mean=MEAN, samples=SAMPLES[:, :2])
     with pytest.raises(ValueError, match="mean"):
-        Predictions(mean=MEAN[0])
+        Predictions(mean=MEAN[0, 0])
+    for shape in ((3,), (3, 4, 2)):  # a regression's or a sequence model's outputs: argmax would broadcast
+        with pytest.raises(ValueError, match=r"accuracy needs \(r, C\) class probabilities"):
+            accuracy(Predictions(mean=torch.rand(shape)), LABELS, "mean")
     with pytest.raises(ValueError, match="labels"):
         accuracy(pred, LABELS[:2], "mean")
     empty = Predictions(mean=MEAN[:0], samples=SAMPLES[:, :0])

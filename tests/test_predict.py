@@ -139,6 +139,22 @@ def test_custom_output_fn_and_invalid_sample_count():
         predict(opt, x, -3)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_regression_outputs_are_predictions(family):
+    """A model with one output per row and output_fn=squeeze: predict() computed it, then refused its (rows,)
+    shape."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+    opt = FOOVB(model, family, K, seed=0)
+    x = torch.randn(8, 4)
+    pred = predict(opt, x, K, seed=10, output_fn=lambda out: out.squeeze(-1))
+    assert pred.mean.shape == (8,) and pred.samples.shape == (K, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(pred.mean, model(x).squeeze(-1))
+        with opt.sampled_params(seed=3):
+            assert not torch.allclose(model(x).squeeze(-1), pred.mean)  # the samples are other networks
+
+
 def test_prediction_arguments_are_checked_and_seed_none_draws_fresh_networks():
     """seed=None was a TypeError from deep inside the noise mixing; a float count, a TypeError from range()."""
     model, opt = trained("diagonal")
@@ -174,10 +190,10 @@ def test_models_the_stacked_route_cannot_follow_are_predicted_one_network_at_a_t
     model = _Residual()
     opt = FOOVB(model, family, K, seed=0)
     x = torch.randn(shape)
-    samples = sample_probabilities(opt, x, K, seed=10)  # predict() itself wants outputs of shape (rows, classes)
+    samples = sample_probabilities(opt, x, K, seed=10)
     assert samples.shape == (K, *shape[:-1], 3)
-    if len(shape) == 2:
-        assert torch.equal(predict(opt, x, K, seed=10).samples, samples)
+    pred = predict(opt, x, K, seed=10)  # outputs per token too: it wanted (rows, classes)
+    assert torch.equal(pred.samples, samples) and pred.mean.shape == (*shape[:-1], 3)
     noises = opt.draw_noise(10, range(K))
     model.eval()
     for k in range(K):  # the networks of draw_noise(seed, range(K)), as on either route

@@ -28,24 +28,25 @@ OutputFn = Callable[[Tensor], Tensor]
 
 @dataclass(frozen=True)
 class Predictions:
-    """Class probabilities of a learner on ``r`` inputs.
+    """Class probabilities (or whatever `output_fn` makes of the outputs) of a learner on ``r`` inputs.
 
     Attributes:
-        mean: ``(r, C)`` probabilities of the point estimate (or posterior mean) network.
-        samples: ``(K, r, C)`` probabilities of K sampled networks (Bayesian learners), or ``None``.
+        mean: ``(r, C)`` probabilities of the point estimate (or posterior mean) network; any shape with the
+            inputs' rows first, e.g. ``(r,)`` for a regression, ``(r, T, V)`` for a sequence model.
+        samples: ``(K, *mean.shape)`` those of K sampled networks (Bayesian learners), or ``None``.
     """
 
     mean: Tensor
     samples: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.mean.dim() != 2:
-            raise ValueError(f"Predictions.mean must have shape (r, C), got {tuple(self.mean.shape)}")
+        if self.mean.dim() == 0:
+            raise ValueError("Predictions.mean must have the inputs' rows first, got a 0-dim tensor")
         if self.samples is not None and (
-            self.samples.dim() != 3 or self.samples.shape[1:] != self.mean.shape
+            self.samples.dim() != self.mean.dim() + 1 or self.samples.shape[1:] != self.mean.shape
         ):
             raise ValueError(
-                f"Predictions.samples must have shape (K, {self.mean.shape[0]}, {self.mean.shape[1]}), "
+                f"Predictions.samples must have shape (K, {', '.join(map(str, self.mean.shape))}), "
                 f"got {tuple(self.samples.shape)}"
             )
 

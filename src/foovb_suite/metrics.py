@@ -54,6 +54,9 @@ def accuracy(pred: Predictions, y: ArrayLike | Tensor, mode: str = "mean") -> fl
 
     ``"single"`` is the mean over the K sampled networks of each network's accuracy.
     """
+    if pred.mean.dim() != 2:
+        raise ValueError(f"accuracy needs (r, C) class probabilities, got predictions of shape "
+                         f"{tuple(pred.mean.shape)}")
     labels = _as_labels(y, pred.mean.shape[0])
     if mode == "single":
         sample_predictions = _require_samples(pred, mode).argmax(dim=-1)  # (K, r)
