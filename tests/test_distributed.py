@@ -6,6 +6,7 @@ into tmp_path and the parent compares them with a single-process run of the same
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -128,7 +129,34 @@ def job_equivalence(rank: int) -> dict[str, Any]:
                    "mc")
     except ValueError as error:
         out["different_settings"] = str(error)
+    for path in PATHS:  # data mode, shard_batch forgotten: the same batch on both processes
+        out[f"unsharded {path}"] = unsharded_data_step(path)
     return out
+
+
+def unsharded_data_step(path: str) -> dict[str, Any]:
+    """A data-parallel step on the whole batch on every process: its error, whether the posterior and the model
+    stayed as they were, and the loss of a step on the shards after it."""
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
+    distribute(optimizer, "data")
+    x, y = batch(0, 4)
+    before, params = posterior_snapshot(optimizer), params_snapshot(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        if path == "batched":
+            return optimizer.step_batched(x, y, lambda out, target: F.cross_entropy(out, target, reduction="sum"))
+        return optimizer.step(summed_loss_closure(model, x, y))
+
+    result: dict[str, Any] = {}
+    try:
+        step(x, y)
+    except ValueError as error:
+        result["error"] = str(error)
+    result["unchanged"] = all_equal(posterior_snapshot(optimizer), before) and all_equal(params_snapshot(model),
+                                                                                        params)
+    result["sharded_loss"] = step(*shard_batch(x, y))
+    return result
 
 
 def job_failure(rank: int, failure: str) -> None:
@@ -406,11 +434,23 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
     mc = (6 * 21 + 8 * 21 + 6 * 6) + layer2 + K
     data = (6 * 21 + 2 * 8 * 21 + 6 * 6) + layer2 + K + 1  # data mode: the losses' rows too
     assert results[0][("mc", "kronecker", "batched", 20)]["bytes"] == 4 * mc + 16 * 2 * WORLD
-    assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD
+    # data mode: 16 B more for the check that the processes' batches differ
+    assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD + 16
     # full: per Linear, grad_sum (d) and grad_noise as stacked factors of rank K (K x d each)
     d1, d2 = 4 * 6 + 6, 6 * 3 + 3
     floats = (d1 + 2 * K * d1) + (d2 + 2 * K * d2) + K
     assert results[0][("mc", "full", "batched", 4)]["bytes"] == 4 * floats + 16 * 2 * WORLD
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_data_mode_refuses_the_same_batch_on_every_process(results: list[dict], path: str) -> None:
+    """shard_batch forgotten: every process's statistics of the whole batch were summed, the batch's likelihood
+    counted twice, silently. Now a ValueError on every process, nothing changed, and the sharded step runs."""
+    for rank in range(WORLD):
+        got = results[rank][f"unsharded {path}"]
+        assert "every process evaluated the same batch" in got["error"] and "shard_batch" in got["error"]
+        assert got["unchanged"]
+        assert math.isfinite(got["sharded_loss"])
 
 
 def test_too_few_samples_for_mc_mode_raises_on_every_rank(results: list[dict]) -> None:

@@ -270,6 +270,23 @@ def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
     return layouts
 
 
+def _check_own_shards(losses: list[float], group: Any) -> None:
+    """Data mode: every process evaluates the same K sampled networks, so equal losses on all processes mean
+    one batch on all of them (shard_batch forgotten): its likelihood would count once per process. Raises
+    ValueError on every process (one tiny all-reduce: the max and min of a hash of the losses)."""
+    if dist.get_world_size(group) < 2:
+        return
+    fingerprint = _fingerprint(torch.tensor(losses, dtype=torch.float64))
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_comm_device(group))
+    dist.all_reduce(extremes, dist.ReduceOp.MAX, group=group)
+    if int(extremes[0]) == -int(extremes[1]):
+        raise ValueError(
+            "distribute(..., mode='data'): every process evaluated the same batch (their losses of the step's "
+            f"{len(losses)} sampled networks are equal), which counts its likelihood once per process. Give each "
+            "process its own rows (foovb.distributed.shard_batch(x, y), or a DistributedSampler); for the same "
+            "batch on every process, use mode='mc'")
+
+
 def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict],
                           num_samples: int, losses: list[float],
                           loss_rows: float = 0.0) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
@@ -299,10 +316,12 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
     shard = reducer.samples
     if len(losses) != len(shard):
         raise RuntimeError(f"{len(losses)} losses for the {len(shard)} samples of this process")
+    if reducer.mode == "data":
+        _check_own_shards(losses, group)
     entries = [(block, key, value) for block in blocks for key, value in stats[block].items()]
     low_rank = [value for _, _, value in entries if isinstance(value, LowRank)]
     layouts = _low_rank_layouts(low_rank, group) if low_rank else []
-    reducer.bytes = 16 * len(low_rank) * dist.get_world_size(group)
+    reducer.bytes = 16 * len(low_rank) * dist.get_world_size(group) + 16 * (reducer.mode == "data")
     pieces: list[Tensor] = []  # this process's contribution, entry by entry (stacked LowRank: left, right)
     layout_of = iter(layouts)
     for _, _, value in entries:
