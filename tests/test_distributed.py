@@ -131,7 +131,30 @@ def job_equivalence(rank: int) -> dict[str, Any]:
         out["different_settings"] = str(error)
     for path in PATHS:  # data mode, shard_batch forgotten: the same batch on both processes
         out[f"unsharded {path}"] = unsharded_data_step(path)
+    out["out of step"] = out_of_step_process(rank)
     return out
+
+
+def out_of_step_process(rank: int) -> dict[str, Any]:
+    """MC mode, rank 0 alone loads a state dict saved one step earlier: the next step's error and whether the
+    posterior stayed as it was."""
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
+    distribute(optimizer, "mc")
+    x, y = batch(0, 4)
+    optimizer.step(summed_loss_closure(model, x, y))
+    saved = optimizer.state_dict()
+    optimizer.step(summed_loss_closure(model, x, y))
+    if rank == 0:
+        optimizer.load_state_dict(saved)
+    before = posterior_snapshot(optimizer)
+    result: dict[str, Any] = {}
+    try:
+        optimizer.step(summed_loss_closure(model, x, y))
+    except ValueError as error:
+        result["error"] = str(error)
+    result["unchanged"] = all_equal(posterior_snapshot(optimizer), before)
+    return result
 
 
 def unsharded_data_step(path: str) -> dict[str, Any]:
@@ -425,7 +448,8 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
     """What travels per step: float32 statistics and losses, and 16 bytes per low-rank statistic and process
     (its rank and fingerprint)."""
     params = sum(p.numel() for p in mlp().parameters())  # diagonal: grad_sum and grad_noise_sum per weight
-    assert results[0][("mc", "diagonal", "batched", 4)]["bytes"] == 4 * (2 * params + K)
+    check = {"mc": 16, "data": 32}  # check_in_step: the step seed's max and min, in data mode the losses' hash's
+    assert results[0][("mc", "diagonal", "batched", 4)]["bytes"] == 4 * (2 * params + K) + check["mc"]
     # kronecker, 20 inputs, batched: layer 1 (p = 6, n = 21): psi_sum p x n, psi_a_phi p x p, and psi_b_phi =
     # X^T R, whose left factor X (8 x n) is the batch: the same on both processes under MC-parallel training,
     # so only R (8 x n) is summed; data-parallel: the shards' X differ, X and R travel stacked (8 x n each).
@@ -433,13 +457,12 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
     layer2 = 3 * 7 + 7 * 7 + 3 * 3
     mc = (6 * 21 + 8 * 21 + 6 * 6) + layer2 + K
     data = (6 * 21 + 2 * 8 * 21 + 6 * 6) + layer2 + K + 1  # data mode: the losses' rows too
-    assert results[0][("mc", "kronecker", "batched", 20)]["bytes"] == 4 * mc + 16 * 2 * WORLD
-    # data mode: 16 B more for the check that the processes' batches differ
-    assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD + 16
+    assert results[0][("mc", "kronecker", "batched", 20)]["bytes"] == 4 * mc + 16 * 2 * WORLD + check["mc"]
+    assert results[0][("data", "kronecker", "batched", 20)]["bytes"] == 4 * data + 16 * 2 * WORLD + check["data"]
     # full: per Linear, grad_sum (d) and grad_noise as stacked factors of rank K (K x d each)
     d1, d2 = 4 * 6 + 6, 6 * 3 + 3
     floats = (d1 + 2 * K * d1) + (d2 + 2 * K * d2) + K
-    assert results[0][("mc", "full", "batched", 4)]["bytes"] == 4 * floats + 16 * 2 * WORLD
+    assert results[0][("mc", "full", "batched", 4)]["bytes"] == 4 * floats + 16 * 2 * WORLD + check["mc"]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -451,6 +474,14 @@ def test_data_mode_refuses_the_same_batch_on_every_process(results: list[dict], 
         assert "every process evaluated the same batch" in got["error"] and "shard_batch" in got["error"]
         assert got["unchanged"]
         assert math.isfinite(got["sharded_loss"])
+
+
+def test_processes_out_of_step_raise_on_every_rank(results: list[dict]) -> None:
+    """A state dict loaded on one process after distribute (or a step skipped on one): the processes summed the
+    statistics of different steps' noise around different means, silently."""
+    for rank in range(WORLD):
+        got = results[rank]["out of step"]
+        assert "different steps of the posterior" in got["error"] and got["unchanged"]
 
 
 def test_too_few_samples_for_mc_mode_raises_on_every_rank(results: list[dict]) -> None:

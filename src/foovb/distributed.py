@@ -12,8 +12,9 @@ all-reduce, in two ways:
   the sum of the shards' statistics (this needs ``loss_reduction`` "auto" or "sum").
 
 In both modes `distribute` gives the optimizer an `AllReduce` as its `statistics_reducer`; its `reduce`
-(`all_reduce_statistics`, called by `FOOVB._apply_update`) sums the statistics and the per-sample losses with
-one all-reduce per dtype (one in practice; low-rank statistics add a tiny one that chooses how they travel), so
+(called by `FOOVB._apply_update`) checks in a tiny all-reduce that the processes are in step (and, in data mode,
+on different shards: `check_in_step`), then (`all_reduce_statistics`) sums the statistics and the per-sample losses
+with one all-reduce per dtype (one in practice; low-rank statistics add a tiny one that chooses how they travel), so
 every process applies the identical update, raises identically on NaN/Inf and returns the same mean loss.
 
 Reproducibility: the noise of sample k of block b at a step is a pure function of (step seed, b, k)
@@ -203,8 +204,12 @@ class AllReduce:
     bytes: int = 0  # bytes all-reduced by the last step (statistics, losses and layouts)
 
     def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
-               losses: list[float], loss_rows: float) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
-        return all_reduce_statistics(self, blocks, stats, num_samples, losses, loss_rows)
+               losses: list[float], loss_rows: float,
+               step_seed: int) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+        checked = check_in_step(self, losses, step_seed)
+        reduced = all_reduce_statistics(self, blocks, stats, num_samples, losses, loss_rows)
+        self.bytes += checked
+        return reduced
 
 
 def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...]:
@@ -270,21 +275,35 @@ def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
     return layouts
 
 
-def _check_own_shards(losses: list[float], group: Any) -> None:
-    """Data mode: every process evaluates the same K sampled networks, so equal losses on all processes mean
-    one batch on all of them (shard_batch forgotten): its likelihood would count once per process. Raises
-    ValueError on every process (one tiny all-reduce: the max and min of a hash of the losses)."""
-    if dist.get_world_size(group) < 2:
-        return
-    fingerprint = _fingerprint(torch.tensor(losses, dtype=torch.float64))
-    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=_comm_device(group))
+def check_in_step(reducer: AllReduce, losses: list[float], step_seed: int) -> int:
+    """Before a step's statistics are summed, one tiny all-reduce (the max of each value and of its negation, 16
+    bytes, 32 in data mode) checks that the processes are in step and, in data mode, on their own shards; a
+    ValueError on every process otherwise (the posterior unchanged), where the sum would mix them silently:
+    * the step seeds differ: a process skipped a step (an exception caught on it alone) or loaded a state dict the
+      others did not;
+    * data mode: every process evaluates the same K sampled networks, so equal losses on all processes mean one
+      batch on all of them (shard_batch forgotten): its likelihood would count once per process.
+    Returns the bytes it all-reduced."""
+    group = reducer.group
+    values = [step_seed] + ([_fingerprint(torch.tensor(losses, dtype=torch.float64))] if reducer.mode == "data"
+                            else [])
+    extremes = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.int64)
+    sent = extremes.numel() * extremes.element_size()
+    extremes = extremes.to(_comm_device(group))
     dist.all_reduce(extremes, dist.ReduceOp.MAX, group=group)
-    if int(extremes[0]) == -int(extremes[1]):
+    same = [int(high) == -int(negated_low) for high, negated_low in extremes.view(-1, 2).cpu().tolist()]
+    if not same[0]:
+        raise ValueError(
+            "the processes are at different steps of the posterior (their step seeds differ): a process skipped a "
+            "step (an exception caught on it alone?) or loaded a state dict the others did not (load it on every "
+            "process, or before distribute)")
+    if reducer.mode == "data" and dist.get_world_size(group) > 1 and same[1]:
         raise ValueError(
             "distribute(..., mode='data'): every process evaluated the same batch (their losses of the step's "
             f"{len(losses)} sampled networks are equal), which counts its likelihood once per process. Give each "
             "process its own rows (foovb.distributed.shard_batch(x, y), or a DistributedSampler); for the same "
             "batch on every process, use mode='mc'")
+    return sent
 
 
 def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict],
@@ -316,12 +335,10 @@ def all_reduce_statistics(reducer: AllReduce, blocks: list[PosteriorBlock], stat
     shard = reducer.samples
     if len(losses) != len(shard):
         raise RuntimeError(f"{len(losses)} losses for the {len(shard)} samples of this process")
-    if reducer.mode == "data":
-        _check_own_shards(losses, group)
     entries = [(block, key, value) for block in blocks for key, value in stats[block].items()]
     low_rank = [value for _, _, value in entries if isinstance(value, LowRank)]
     layouts = _low_rank_layouts(low_rank, group) if low_rank else []
-    reducer.bytes = 16 * len(low_rank) * dist.get_world_size(group) + 16 * (reducer.mode == "data")
+    reducer.bytes = 16 * len(low_rank) * dist.get_world_size(group)
     pieces: list[Tensor] = []  # this process's contribution, entry by entry (stacked LowRank: left, right)
     layout_of = iter(layouts)
     for _, _, value in entries:

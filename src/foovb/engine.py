@@ -154,9 +154,11 @@ class StatisticsReducer(Protocol):
     samples: range  # the sample indices this process evaluates
 
     def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
-               losses: list[float], loss_rows: float) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
+               losses: list[float], loss_rows: float,
+               step_seed: int) -> tuple[dict[PosteriorBlock, dict], int, list[float]]:
         """The statistics and sample count summed over all processes, and each sample's loss over the whole
-        batch (`loss_rows`: the rows this process's losses are means over, 0 for summed losses)."""
+        batch (`loss_rows`: the rows this process's losses are means over, 0 for summed losses; `step_seed`:
+        the seed of the step's noise, the same on every process in step)."""
         ...
 
 
@@ -371,7 +373,7 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
 @torch.no_grad()
 def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float, num_samples: int,
                  mean_step: float, cov_step: float, reducer: StatisticsReducer | None, step_number: int,
-                 std_growth: str) -> float:
+                 std_growth: str, step_seed: int) -> float:
     """UPDATE (Algorithm 1): all-reduce the statistics under torch.distributed (`reducer`), check them, then
     one fixed-point iteration of every block of `stats` (those the step trains). Non-finite statistics or an
     update that overflows raise FloatingPointError and leave every block as it was.
@@ -379,7 +381,7 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_ro
     Returns the mean loss over all samples (of all processes; `loss_rows`: see `StatisticsReducer.reduce`)."""
     blocks = list(stats)
     if reducer is not None:
-        stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses, loss_rows)
+        stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses, loss_rows, step_seed)
 
     def pieces(block: PosteriorBlock) -> list[Tensor]:
         return [t for v in stats[block].values() for t in (v.tensors() if isinstance(v, LowRank) else [v])]

@@ -331,7 +331,8 @@ class FOOVB(torch.optim.Optimizer):
         if pending.grad_scale not in (None, 1.0):  # the sums are linear in the gradients: scaled once, here
             scale_statistics(pending.stats, pending.grad_scale)
         try:
-            mean_loss = self._apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples)
+            mean_loss = self._apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
+                                           pending.seed)
         except BaseException:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
@@ -362,10 +363,10 @@ class FOOVB(torch.optim.Optimizer):
         return self.step()
 
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float,
-                      num_samples: int) -> float:
+                      num_samples: int, step_seed: int) -> float:
         """UPDATE every block the step trains (`engine.apply_update`), then load the new mean into the model."""
         mean_loss = apply_update(stats, losses, loss_rows, num_samples, self.mean_step, self.cov_step,
-                                 self.statistics_reducer, self.steps_taken, self.std_growth)
+                                 self.statistics_reducer, self.steps_taken, self.std_growth, step_seed)
         self.load_mean_into_model()
         self.steps_taken += 1
         return mean_loss
