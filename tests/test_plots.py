@@ -29,6 +29,21 @@ def test_curve_plots_write_png(tmp_path):
     assert_png(plot_first_task_accuracy(CURVES, tmp_path / "nested" / "first.png"))
 
 
+def test_a_plot_that_cannot_be_written_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """savefig wrote straight into the file: a full disk or a kill left half a PNG."""
+    path = tmp_path / "average.png"
+    plot_average_accuracy(CURVES, path)
+    before = path.read_bytes()
+
+    def full_disk(data, target):
+        raise OSError(28, f"no space left to write {target}")
+
+    monkeypatch.setattr(plots_module, "write_atomically", full_disk)
+    with pytest.raises(OSError, match="no space left"):
+        plot_average_accuracy({"other": CURVES["SGD"]}, path)
+    assert path.read_bytes() == before
+
+
 @pytest.mark.parametrize("count", [1, 10, 11, 40])
 def test_curve_styles_are_distinct(count):
     styles = curve_styles(count)

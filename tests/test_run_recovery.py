@@ -191,6 +191,30 @@ def test_ctrl_c_before_the_first_checkpoint_saves_nothing(config_file, tmp_path,
     assert capsys.readouterr().err == "foovb: interrupted: no checkpoint had been written yet (nothing to resume)\n"
 
 
+def test_a_run_stopped_while_writing_its_outputs_is_not_finished_and_resume_writes_them(uninterrupted, tmp_path,
+                                                                                      monkeypatch) -> None:
+    """A full disk (or a kill) after the accuracy matrices: summary.json, which marks a run finished, was written
+    before stds.npz and the plots, so the run looked finished with outputs missing, and a rerun was refused."""
+    run_dir = tmp_path / "r"
+    write = runner.write_atomically
+
+    def full_disk_at_stds(data: bytes, path) -> None:
+        if path.name == "stds.npz":
+            raise OSError(28, f"no space left to write {path}")
+        write(data, path)
+
+    monkeypatch.setattr(runner, "write_atomically", full_disk_at_stds)
+    with pytest.raises(OSError, match="no space left"):
+        run(config_from_dict(TINY), run_dir, progress=False)
+    assert (run_dir / "accuracy_matrix_mean.csv").is_file()
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "stds.npz").exists()
+    monkeypatch.setattr(runner, "write_atomically", write)
+    run(config_from_dict(TINY), run_dir, resume=True, progress=False)
+    assert _modes(run_dir) == _modes(uninterrupted)
+    saved, want = np.load(run_dir / "stds.npz"), np.load(uninterrupted / "stds.npz")
+    assert saved.files == want.files and all(np.array_equal(saved[key], want[key]) for key in want.files)
+
+
 def test_checkpoints_load_with_torch_load_defaults(uninterrupted, tmp_path) -> None:
     """weights_only=True (torch.load's default) loads a finished and an interrupted run's checkpoint, STDs included."""
     interrupted = tmp_path / "r"

@@ -7,6 +7,7 @@ malformed data), writes a PNG to ``path`` (creating parent folders) and returns 
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,15 +18,20 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 from numpy.typing import ArrayLike
 
+from .rundir import write_atomically
+
 Curve = tuple[ArrayLike, ArrayLike]
 
 
 def _save(figure: Figure, path: str | os.PathLike[str], tight_layout: bool = True) -> Path:
+    """Render the PNG in memory, then write it whole (a killed run or a full disk never leaves half a file)."""
     output_path = Path(path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     if tight_layout:
         figure.tight_layout()
-    figure.savefig(output_path, format="png", dpi=120, bbox_inches="tight")
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120, bbox_inches="tight")
+    write_atomically(png.getvalue(), output_path)
     return output_path
 
 

@@ -553,15 +553,18 @@ def write_metrics(run_dir: Path, records: list[dict]) -> None:
 
 def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[str, np.ndarray], scenario,
                   config: Config) -> None:
-    """All plain-file outputs and plots of a finished run."""
+    """All plain-file outputs and plots of a finished run, each written whole; summary.json, which marks the run
+    finished, last (a run killed before it is resumed with --resume, which writes them again)."""
     write_metrics(run_dir, records)
     for mode in records[-1]["accuracy"]:
-        matrix = np.array([r["accuracy"][mode] for r in records])
-        np.savetxt(run_dir / f"accuracy_matrix_{mode}.csv", matrix, delimiter=",", fmt="%.6f",
+        matrix, table = np.array([r["accuracy"][mode] for r in records]), io.StringIO()
+        np.savetxt(table, matrix, delimiter=",", fmt="%.6f",
                    header=",".join(f"task_{t}" for t in range(matrix.shape[1])))
-    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        _write_text(run_dir / f"accuracy_matrix_{mode}.csv", table.getvalue())
     if stds:
-        np.savez_compressed(run_dir / "stds.npz", **stds)
+        archive = io.BytesIO()
+        np.savez_compressed(archive, **stds)
+        write_atomically(archive.getvalue(), run_dir / "stds.npz")
     plot_dir = run_dir / "plots"
     stages = tasks_seen(records, config)
     for mode, entry in summary["modes"].items():
@@ -591,6 +594,7 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
         plots.plot_task_schedule(iterations, scenario.task_probabilities(iterations).numpy(),
                                  plot_dir / "task_schedule.png")
+    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
 
 
 def experiment_key(config: dict[str, Any]) -> str:
