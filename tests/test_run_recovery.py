@@ -154,6 +154,26 @@ def test_a_nan_loss_keeps_the_last_checkpoint_and_advises_a_smaller_learning_rat
     assert _checkpoint_iteration(out) == 7
 
 
+@pytest.mark.parametrize(("at_call", "kept"), [(13, 10), (19, 14)])  # the step before a periodic checkpoint (14),
+# before the final evaluation (20)
+def test_a_step_that_leaves_non_finite_weights_stops_the_run_before_it_is_saved_or_evaluated(
+        config_file, tmp_path, capsys, monkeypatch, at_call, kept) -> None:
+    """A baseline's observe returns the loss computed before its step: a step that made the weights NaN passed the
+    loss check, was checkpointed, and evaluated as chance-level accuracy in a finished run's summary."""
+    def nan_weights(learner):
+        with torch.no_grad():
+            next(learner.model.parameters()).fill_(float("nan"))
+        return 0.5
+
+    out = tmp_path / "sgd"
+    _patch_observe(monkeypatch, at_call, nan_weights)
+    assert _cli_run(config_file, out, "learner.kind=sgd", "learner.params={lr: 0.1}") == 1
+    err = capsys.readouterr().err
+    assert f"training diverged after {at_call + 1} of 20 iterations" in err
+    assert "the model's weights are not finite after the last step" in err
+    assert _checkpoint_iteration(out) == kept and not (out / "summary.json").exists()
+
+
 def _ctrl_c(times: int):
     def action(learner):
         for _ in range(times):

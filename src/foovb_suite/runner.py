@@ -316,7 +316,8 @@ class _TrainingLoop:
 
     def save(self, iteration: int) -> None:
         """Checkpoint the learner after `iteration` iterations, with the records and STDs so far (tensors and plain
-        Python values only: torch.load's default weights_only=True loads it)."""
+        Python values only: torch.load's default weights_only=True loads it). Non-finite weights are not saved."""
+        self._check_finite_weights(iteration)
         self.train_seconds += time.perf_counter() - self.tic
         if self.main_process:
             self.confirm_lock()  # never two runs writing one directory (RunLock.confirm)
@@ -395,6 +396,13 @@ class _TrainingLoop:
                 f"of {self.scenario.num_tasks}): {cause}")
         return TrainingDiverged("\n  ".join([what, _divergence_advice(self.learner), saved]), self.saved_at)
 
+    def _check_finite_weights(self, iteration: int) -> None:
+        """A step that made the weights non-finite returns the finite loss computed before it (the baselines):
+        evaluated, such a model scores chance-level accuracy that looks like a result; stop instead."""
+        if not all(bool(torch.isfinite(p).all()) for p in self.learner.model.parameters()):
+            raise self._diverged(iteration, "the model's weights are not finite after the last step",
+                                 self._kept_checkpoint())
+
     def _kept_checkpoint(self) -> str:
         if self.saved_at is None:
             return "no checkpoint had been written yet (nothing to resume)"
@@ -403,6 +411,7 @@ class _TrainingLoop:
 
     def _evaluate(self, done: int) -> dict[str, Any]:
         """Evaluate every task after `done` iterations; append the record (and the posterior STDs)."""
+        self._check_finite_weights(done)
         self.train_seconds += time.perf_counter() - self.tic
         stage = min(bisect.bisect_left(self.ends, done), self.scenario.num_tasks - 1)
         record = {"iteration": done, "stage": stage, **self.evaluator(self.learner, self.scenario.task_aware),
