@@ -153,3 +153,12 @@ def test_std_histograms_use_the_given_labels(drawn_figures, tmp_path):
     with pytest.raises(ValueError, match="1 labels for 2"):
         plot_std_histograms(stds, tmp_path / "bad.png", labels=["one"])
 
+
+
+@pytest.mark.parametrize("count", [2, 6])  # the legend inside the axes, and right of them
+def test_every_curve_is_in_the_legend_whatever_its_label(drawn_figures, count):
+    """matplotlib's legend() leaves out labels starting with "_": a run directory "_old" lost its entry."""
+    labels = ["_old (mean)"] + [f"run{i} (mean)" for i in range(1, count)]
+    plot_average_accuracy({label: CURVES["SGD"] for label in labels}, "unused.png")
+    legend = [text.get_text() for text in drawn_figures[0].axes[0].get_legend().get_texts()]
+    assert legend == labels

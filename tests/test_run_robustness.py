@@ -186,6 +186,24 @@ def test_sigterm_checkpoints_after_the_iteration_and_prints_the_resume_command(c
     assert _modes(out) == _modes(uninterrupted)
 
 
+def test_a_second_sigterm_stops_at_once_and_says_sigterm(config_file, tmp_path, capfd, monkeypatch):
+    """The second signal was reported as Ctrl-C (exit 130, "interrupted"): a scheduler's SIGTERMs read as a user's."""
+    out = tmp_path / "r"
+
+    def two_sigterms(learner):
+        for _ in range(2):
+            signal.raise_signal(signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        _patch_observe(patch, 11, two_sigterms)
+        assert _cli_run(config_file, out) == 128 + signal.SIGTERM
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    kept = f"the last checkpoint, after 10 of 20 iterations, is kept in {out / 'checkpoint.pt'}"
+    assert f"foovb: stopped by SIGTERM: {kept}" in err
+    assert _checkpoint_iteration(out) == 10 and not list(out.glob("*.tmp"))
+
+
 def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypatch):
     """A signal during the final plots stopped the process with summary.json written but plots missing."""
     from foovb_suite import runner

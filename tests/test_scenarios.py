@@ -353,6 +353,12 @@ def test_rotated_mnist_angle_schedule_and_task_angles(rotated_mnist):
         torch.testing.assert_close(batch.x, rotated_mnist.rotate(x, 6.0 * iteration))
 
 
+def test_rotated_mnist_refuses_a_batch_larger_than_the_training_set(rotated_mnist):
+    """It trained on the 60,000 images as a batch while the config recorded the batch size asked for."""
+    with pytest.raises(ValueError, match="batch_size 60001 exceeds the 60000 training images"):
+        RotatedMNIST(rotated_mnist.images, num_tasks=2, iterations_per_task=5, batch_size=60001)
+
+
 def test_rotation_is_exact_at_right_angles_and_keeps_black_outside(rotated_mnist):
     x, _ = rotated_mnist.images.test_set(0)
     x = x[:5]

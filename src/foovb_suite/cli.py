@@ -179,6 +179,13 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"foovb: error: --plot-runs: {unknown} not among the compared runs {names}",
               file=sys.stderr)
         return 2
+    drawn = [r for name, r in zip(names, runs, strict=True) if args.plot_runs is None or name in args.plot_runs]
+    if args.plot_modes is not None and not any(mode in r["summary"]["modes"] for r in drawn
+                                               for mode in args.plot_modes):
+        have = sorted({mode for r in drawn for mode in r["summary"]["modes"]})
+        print(f"foovb: error: --plot-modes: none of the plotted runs has {', '.join(args.plot_modes)} (they have "
+              f"{', '.join(have)})", file=sys.stderr)
+        return 2
     differences = _protocol_differences(runs)
     if differences:
         print("foovb: warning: the runs differ in their protocol, so their accuracies do not compare:\n  "

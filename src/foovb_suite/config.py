@@ -6,6 +6,7 @@ A bad config (unknown key, wrong type, impossible value) raises `ConfigError` na
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import re
@@ -51,6 +52,9 @@ class _Loader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor: its keys may be overridden here
                 continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, collections.abc.Hashable):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain value, got {key!r}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark)
@@ -153,9 +157,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+        hint = (" (YAML reads an unquoted on/off/yes/no/true/false key as a boolean: quote it)"
+                if isinstance(unknown[0], bool) else "")
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key{hint} (known: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -179,10 +185,9 @@ def validate(config: Config) -> Config:
     for key in ("num_tasks", "epochs_per_task", "iterations_per_task", "batch_size", "train_subset",
                 "eval_every"):
         _positive(f"scenario.{key}", getattr(s, key))
-    if s.seed < 0:
-        raise ConfigError(f"scenario.seed: must be non-negative, got {s.seed}")
-    if config.seed < 0:
-        raise ConfigError(f"seed: must be non-negative, got {config.seed}")
+    for key, seed in (("scenario.seed", s.seed), ("seed", config.seed)):
+        if not 0 <= seed < 2**63:  # torch.manual_seed and torch.Generator take 64-bit integers
+            raise ConfigError(f"{key}: must be in [0, 2**63), got {seed}")
     if s.normalization not in ("standard", "none"):
         raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
     defaults = ScenarioConfig()
@@ -282,7 +287,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = apply_overrides(_parse_yaml(path.read_text(), str(path)) or {}, overrides or [])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:  # a binary file (a checkpoint), or a config saved in another encoding
+        raise ConfigError(f"{path} is not a YAML config in UTF-8 ({error.reason} at byte {error.start})") from None
+    data = apply_overrides(_parse_yaml(text, str(path)) or {}, overrides or [])
     for section, example in (("scenario", "discrete_permuted_mnist"), ("learner", "foovb")):
         if section not in data or isinstance(data[section], dict) and "kind" not in data[section]:
             # the defaults alone are a paper-scale run of hours: a file must say what it runs

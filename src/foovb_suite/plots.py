@@ -65,17 +65,18 @@ def _plot_curves(
     validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
     figure = Figure(figsize=(6.4, 4.4))
     axes = figure.add_subplot()
-    for (label, (x, y)), style in zip(validated.items(), curve_styles(len(validated)), strict=True):
-        axes.plot(x, y, markersize=3, label=label, **style)
+    lines = [axes.plot(x, y, markersize=3, **style)[0]
+             for (x, y), style in zip(validated.values(), curve_styles(len(validated)), strict=True)]
     axes.set_title(title)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     many = len(validated) > 4
+    # handles and labels given: legend() alone leaves out labels starting with "_" (a run directory "_old")
     if many:  # the legend right of the axes, which keep their size (the saved image widens instead)
-        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+        axes.legend(lines, list(validated), loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
     else:
-        axes.legend()
+        axes.legend(lines, list(validated))
     return _save(figure, path, tight_layout=not many)
 
 

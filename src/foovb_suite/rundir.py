@@ -73,8 +73,10 @@ def write_atomically(data: bytes, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except OSError as error:
+    except BaseException as error:  # a second Ctrl-C / SIGTERM during the write too: no temporary file left
         tmp.unlink(missing_ok=True)
+        if not isinstance(error, OSError):
+            raise
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(path.parent).free / 2**20
             raise OSError(error.errno, f"no space left to write {path} ({len(data) / 2**20:.1f} MiB needed, "

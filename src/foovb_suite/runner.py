@@ -226,6 +226,14 @@ class RunInterrupted(KeyboardInterrupt):
         self.checkpoint_iteration = checkpoint_iteration
 
 
+class _StopNow(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: stop at once (`signal_number`: which one, for the exit status)."""
+
+    def __init__(self, signal_number: int):
+        super().__init__()
+        self.signal_number = signal_number
+
+
 @contextlib.contextmanager
 def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
     """Within the block, a first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and `timeout` send before a
@@ -240,7 +248,7 @@ def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
 
     def handler(signum: int, frame: Any) -> None:
         if requested:
-            raise KeyboardInterrupt
+            raise _StopNow(signum)
         requested.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
@@ -336,7 +344,8 @@ class _TrainingLoop:
         except RunInterrupted:
             raise
         except KeyboardInterrupt as error:
-            raise RunInterrupted(self._kept_checkpoint(), self.saved_at) from error
+            raise RunInterrupted(self._kept_checkpoint(), self.saved_at,
+                                 getattr(error, "signal_number", signal.SIGINT)) from error
 
     def _iterate(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
         running_loss, last_average = None, _average_so_far(self.records[-1]) if self.records else float("nan")

@@ -433,6 +433,8 @@ class RotatedMNIST:
         _check_seed(seed)
         if not (math.isfinite(max_angle) and 0 < max_angle <= 360):
             raise ValueError(f"max_angle must be in (0, 360] degrees, got {max_angle}")
+        if batch_size > images.num_train:  # randperm(...)[:batch_size] would train on smaller batches silently
+            raise ValueError(f"batch_size {batch_size} exceeds the {images.num_train} training images")
         self.images = images
         self.num_tasks, self.iterations_per_task, self.batch_size = num_tasks, iterations_per_task, batch_size
         self.max_angle, self.seed = float(max_angle), seed
