@@ -296,6 +296,37 @@ def test_an_update_that_overflows_is_undone():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_update_that_raises_midway_changes_nothing(family):
+    """Out of memory in the second layer's decomposition (or a LinAlgError, Ctrl-C): the first layer's update and
+    the failing one's mean were kept, the mixed posterior loaded into the model, and a retry updated them twice."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = FOOVB(model, family, 2, seed=0)
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    last = opt.blocks[-1]
+    update = last.update
+
+    def out_of_memory(stats, *args):
+        update(stats, *args)  # its own state changed, then the failure
+        raise torch.OutOfMemoryError("simulated: no memory for the workspace")
+
+    last.update = out_of_memory
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step(closure)
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
+    assert opt.steps_taken == 0
+    last.update = update
+    opt.step(closure)  # the retry is one step
+    assert opt.steps_taken == 1 and not all_equal(posterior_snapshot(opt), posterior)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_your_own_loop_with_sampled_params_equals_step_with_a_closure(family):
     """IVON-style: K `sampled_params(train=True)` blocks, then step(), give step(closure)'s update and loss."""
     results = []

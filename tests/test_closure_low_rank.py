@@ -27,9 +27,9 @@ class Net(nn.Module):
     """12-16-16-3 MLP (`width` for 16); `twice`: the middle layer is applied twice (shared weights); `unused`: a
     layer that the forward never calls."""
 
-    def __init__(self, twice: bool = False, unused: bool = False, width: int = 16):
+    def __init__(self, twice: bool = False, unused: bool = False, width: int = 16, bias: bool = True):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(12, width), nn.Linear(width, width), nn.Linear(width, 3)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, width, bias=bias), nn.Linear(width, width), nn.Linear(width, 3)
         self.unused = nn.Linear(width, width) if unused else None
         self.twice = twice
 
@@ -125,6 +125,46 @@ def test_mean_loss_scaled_like_the_dense_gradient():
     assert low[2] == {"fc1", "fc2", "fc3"}
     assert_same(low, run_step(True, mean))
     assert_same(low, run_step(False, summed))  # and the summed loss's statistics
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_hook_on_a_layers_output_is_in_its_delta(defer):
+    """A hook the user puts on a Linear's output (here halving its gradient) ran after the capture's own: the
+    weight's gradient had it, the captured Delta did not, and the covariance statistics disagreed with the mean's
+    (input_sqrt_cov off by 1.7e-3 after one step)."""
+    def halve_gradient(module, inputs, out):
+        out.register_hook(lambda g: 0.5 * g)  # returns None: the output stays as it is
+
+    def hooked(model, x, y):
+        model.fc1.register_forward_hook(halve_gradient)
+        return summed(model, x, y)
+
+    low = run_step(False, hooked, defer=defer)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    assert_same(low, run_step(True, hooked, defer=defer))
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_an_input_buffer_refilled_for_every_sample_is_read_anew(defer):
+    """A closure that writes each sample's (augmented) batch into one buffer: without a bias X_aug was the buffer
+    itself, so the cached input always matched (stale X_aug A and outputs for later samples) and sample 0's
+    statistic changed when the buffer did. The same as a closure that passes a fresh tensor each time."""
+    def augmenting(fresh):
+        def closure_of(model, x, y):
+            noise, buffer = torch.Generator().manual_seed(3), torch.empty_like(x)
+
+            def closure():
+                buffer.copy_(x + 0.5 * torch.randn(x.shape, generator=noise, dtype=x.dtype))
+                loss = F.cross_entropy(model(buffer.clone() if fresh else buffer), y, reduction="sum")
+                loss.backward()
+                return loss
+            return closure
+        return closure_of
+
+    in_place = run_step(False, augmenting(False), defer=defer, bias=False)
+    assert in_place[2] == {"fc1", "fc2", "fc3"}
+    assert_same(in_place, run_step(False, augmenting(True), defer=defer, bias=False))
+    assert_same(in_place, run_step(True, augmenting(False), defer=defer, bias=False))
 
 
 def test_float32_matches_dense():

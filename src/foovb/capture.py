@@ -215,7 +215,9 @@ class LinearCapture(TorchFunctionMode):
             y = func(*args, **kwargs)
         if own and y.requires_grad:
             captured.x, captured.version = x.detach(), x._version
-            self.handles.append(y.register_hook(self._save_delta(captured)))
+            # on the output's node, not the tensor: Node pre-hooks run after the tensor hooks, so Delta is the
+            # gradient that reaches the layer after any hook the user puts on its output (h.register_hook(...))
+            self.handles.append(y.grad_fn.register_prehook(self._save_delta(captured)))
         return y
 
     def _factorable(self, block: KroneckerBlock, x: Tensor, weight: Tensor) -> tuple[bool, Tensor | None]:
@@ -294,9 +296,11 @@ class LinearCapture(TorchFunctionMode):
 
     @staticmethod
     def _save_delta(captured: _Captured):  # noqa: ANN205
-        def hook(grad: Tensor) -> None:
-            grad = grad.detach()
-            captured.delta = grad if captured.delta is None else captured.delta + grad
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            grad = grad_outputs[0]
+            if grad is not None:
+                grad = grad.detach()
+                captured.delta = grad if captured.delta is None else captured.delta + grad
         return hook
 
     def exact(self, block: KroneckerBlock) -> bool:

@@ -395,15 +395,23 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_ro
         raise FloatingPointError(
             f"non-finite values in {where} at step {step_number}; the posterior was left unchanged")
     before = {block: {key: value.clone() for key, value in block.state.items()} for block in blocks}
-    with full_precision():
-        for block in blocks:
-            block.update(stats[block], num_samples, mean_step, cov_step)
-    # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
-    new_state = [value for block in blocks for value in block.state.values()]
-    if not torch.stack(_norms(new_state)).sum().isfinite():
+
+    def undo() -> None:
         for block in blocks:
             block.state.clear()  # entries that the failed update created (cov_momentum's average) go too
             block.state.update(before[block])
+
+    try:
+        with full_precision():
+            for block in blocks:
+                block.update(stats[block], num_samples, mean_step, cov_step)
+        # finite statistics can still overflow (a sigma grown by the paper's closed form, squared): undo the step
+        overflowed = not torch.stack(_norms([v for block in blocks for v in block.state.values()])).sum().isfinite()
+    except BaseException:  # out of memory in a decomposition's workspace, a LinAlgError, Ctrl-C: the earlier
+        undo()  # blocks (and this one's mean) were updated already
+        raise
+    if overflowed:
+        undo()
         raise FloatingPointError(
             f"the update at step {step_number} overflowed to non-finite posterior values (with "
             f"std_growth={std_growth!r}, a sigma that grew too large?); the posterior was left unchanged")

@@ -53,8 +53,10 @@ def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | N
                              "sample; use FOOVB.step(closure) for this model")
     for module in {b.module for b in blocks}:
         base = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
-        if type(module).forward is not base.forward or "forward" in vars(module):
-            raise ValueError(f"{type(module).__name__} has its own forward, which the batched Monte Carlo path "
+        own = [name for name in ("forward", "_conv_forward") if hasattr(base, name)
+               and (getattr(type(module), name) is not getattr(base, name) or name in vars(module))]
+        if own:  # Conv2d.forward calls _conv_forward, which subclasses override (weight standardisation)
+            raise ValueError(f"{type(module).__name__} has its own {own[0]}, which the batched Monte Carlo path "
                              f"would replace by {base.__name__}'s; use FOOVB.step(closure) for this model")
         if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
             raise ValueError("the batched Monte Carlo path supports Conv2d with padding_mode='zeros' only")
@@ -197,13 +199,15 @@ def augmented_input(block: KroneckerBlock, x: Tensor, cache: dict, *, keep_one: 
     """X_aug of an input (r, n_in) that may be shared by several samples or chunks: the same input gets the same
     X_aug object, so `LowRank` sums its right factors (the statistic keeps rank r). The key has the strides
     (x[:, :n] and x[:, ::2] share address and shape), and a hit is checked by value: an input recomputed later
-    may reuse a freed address (the cache does not keep inputs alive). `keep_one`: a miss empties the cache first
-    (it then holds the latest input only)."""
+    may reuse a freed address (the cache does not keep inputs alive), or be overwritten in place (a buffer the
+    closure refills for every sample). X_aug is never the input itself (without a bias: a copy), so neither the
+    check nor the statistics that keep X_aug as a factor see such a write. `keep_one`: a miss empties the cache
+    first (it then holds the latest input only)."""
     x_aug = cached_augmented_input(block, x, cache)
     if x_aug is None:
         if keep_one:
             cache.clear()
-        x_aug = cache[_input_key(block, x)] = block.augment(x)
+        x_aug = cache[_input_key(block, x)] = block.augment(x) if block.has_bias else x.clone()
     return x_aug
 
 
