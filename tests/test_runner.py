@@ -116,6 +116,7 @@ def _crash_at(monkeypatch, iteration: int) -> None:
         ({"scenario.seed": -1}, r"scenario.seed: must be in \[0, 2\*\*63\)"),
         ({"seed": 2**64}, r"seed: must be in \[0, 2\*\*63\), got 18446744073709551616"),  # torch.manual_seed failed
         ({"threads": 0}, "threads: must be a positive integer"),
+        ({"scenario.joint": "true", "learner.kind": "si"}, "learner.kind: si consolidates each task"),
         ({"threads": -2}, "threads: must be a positive integer"),
     ],
 )

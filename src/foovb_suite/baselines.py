@@ -329,8 +329,9 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
 
 
 class OnlineEWCLearner(PerIterationConsolidationLearner):
-    """Online EWC (Schwarz et al. 2018, "Progress & Compress"; Chaudhry et al. 2018, "Riemannian Walk", EWC++)
-    with the consolidation taken at every iteration (the paper's task-agnostic adaptation).
+    """Online EWC in Schwarz et al. 2018's form ("Progress & Compress": the running sum below; EWC++, Chaudhry et
+    al. 2018, "Riemannian Walk", normalises it as a moving average, the same up to a rescaled `reg` for a fixed
+    gamma) with the consolidation taken at every iteration (the paper's task-agnostic adaptation).
 
     Penalty ``reg/2 * sum_k F_k (theta_k - theta*_k)^2`` (``curvature_scale = reg``), applied by the
     per-iteration proximal rule of ``PerIterationConsolidationLearner``; running Fisher

@@ -204,6 +204,9 @@ def validate(config: Config) -> Config:
                               f"{len(s.datasets)} datasets (one per task)")
     if not 0 < s.max_angle <= 360:
         raise ConfigError(f"scenario.max_angle: must be in (0, 360] degrees, got {s.max_angle}")
+    if s.joint and config.learner.kind == "si":  # SI consolidates when the task id changes: at almost every batch
+        raise ConfigError("learner.kind: si consolidates each task when the task id changes, and the joint oracle's "
+                          "batches mix the tasks; run the oracle with a plain optimiser (sgd, adam)")
     if s.kind == "split_mnist" and s.num_tasks > 5:
         raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
     if config.model.kind not in ("mlp", "lenet"):
