@@ -65,8 +65,8 @@ def _plot_curves(
     validated = {label: _validated_curve(label, curve) for label, curve in curves.items()}
     figure = Figure(figsize=(6.4, 4.4))
     axes = figure.add_subplot()
-    lines = [axes.plot(x, y, markersize=3, **style)[0]
-             for (x, y), style in zip(validated.values(), curve_styles(len(validated)), strict=True)]
+    lines = [axes.plot(x, y, markersize=3, label=label, **style)[0]
+             for (label, (x, y)), style in zip(validated.items(), curve_styles(len(validated)), strict=True)]
     axes.set_title(title)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
