@@ -179,10 +179,10 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"foovb: error: --plot-runs: {unknown} not among the compared runs {names}",
               file=sys.stderr)
         return 2
-    drawn = [r for name, r in zip(names, runs, strict=True) if args.plot_runs is None or name in args.plot_runs]
-    if args.plot_modes is not None and not any(mode in r["summary"]["modes"] for r in drawn
-                                               for mode in args.plot_modes):
-        have = sorted({mode for r in drawn for mode in r["summary"]["modes"]})
+    drawn = set(names) if args.plot_runs is None else set(args.plot_runs)  # the runs in the plots
+    drawn_modes = {mode for r in runs if r["name"] in drawn for mode in r["summary"]["modes"]}
+    if args.plot_modes is not None and not drawn_modes & set(args.plot_modes):
+        have = sorted(drawn_modes)
         print(f"foovb: error: --plot-modes: none of the plotted runs has {', '.join(args.plot_modes)} (they have "
               f"{', '.join(have)})", file=sys.stderr)
         return 2
@@ -201,14 +201,13 @@ def _compare(args: argparse.Namespace) -> int:
         kind = config["learner"]["kind"]
         mc = learner_hyperparameters(kind, config["learner"]["params"]).get("mc_samples", "-")
         stages = tasks_seen(r["records"], config_from_dict(config))
-        drawn_run = args.plot_runs is None or name in args.plot_runs
         for mode, entry in s["modes"].items():
             label = f"{name} ({mode})"
             rows.append([name, s["learner"], s["scenario"], s["num_tasks"], s["iterations"], mc, mode,
                          f"{entry['average_accuracy']:.4f}", f"{entry['first_task_accuracy']:.4f}",
                          f"{entry.get('forgetting', float('nan')):.4f}", f"{s['train_seconds'] / 60:.1f}",
                          f"{s['seconds_per_iteration'] * 1e3:.2f}"])
-            if drawn_run and (args.plot_modes is None or mode in args.plot_modes):
+            if name in drawn and (args.plot_modes is None or mode in args.plot_modes):
                 average_curves[label] = (stages, entry["average_accuracy_curve"])
                 first_curves[label] = (stages, [rec["accuracy"][mode][0] for rec in r["records"]])
     _write_table(out, "compare", header, rows)
