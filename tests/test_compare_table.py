@@ -81,3 +81,41 @@ def test_a_run_with_a_file_cut_short_is_one_error_line_naming_the_resume(two_run
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"foovb: error: {foovb}: a damaged output file")
     assert err[0].endswith("--resume` rebuilds the outputs from its checkpoint")
+
+
+def test_a_table_that_cannot_be_written_leaves_the_old_one_whole(two_runs, tmp_path, monkeypatch):
+    """compare wrote its tables straight into the files: a full disk or a kill left half a table."""
+    import builtins
+
+    foovb, sgd = two_runs
+    out = tmp_path / "cmp"
+    assert main(["compare", str(foovb), str(sgd), "--out", str(out)]) == 0
+    before = {name: (out / name).read_bytes() for name in ("compare.csv", "compare.md")}
+    real_open = builtins.open
+
+    class FullDisk:  # writes the first 10 bytes, then the disk is full
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.handle.write(data[:10])
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+    def opening(path, mode="r", *args, **kwargs):
+        handle = real_open(path, mode, *args, **kwargs)
+        return FullDisk(handle) if "w" in mode and str(path).startswith(str(out)) else handle
+
+    monkeypatch.setattr(builtins, "open", opening)
+    assert main(["compare", str(sgd), "--out", str(out)]) != 0
+    monkeypatch.undo()
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not list(out.glob("*.tmp"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from foovb import __version__
 
 from .config import ConfigError, config_from_dict, default_run_dir, load_config, protocol_of
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
-from .rundir import CheckpointError
+from .rundir import CheckpointError, write_atomically
 
 __all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
@@ -104,12 +105,14 @@ def _interrupted_message(saved: str, args: argparse.Namespace, run_dir: Path, si
 
 
 def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> None:
-    """`stem`.csv and `stem`.md in `out`, and the table printed with aligned columns."""
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        csv.writer(f).writerows([header, *rows])
+    """`stem`.csv and `stem`.md in `out`, each written atomically (a kill leaves the old file or the new one,
+    never half a table), and the table printed with aligned columns."""
+    table = io.StringIO(newline="")
+    csv.writer(table).writerows([header, *rows])
+    write_atomically(table.getvalue().encode(), out / f"{stem}.csv")
     markdown = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
-    (out / f"{stem}.md").write_text("\n".join(markdown) + "\n")
+    write_atomically(("\n".join(markdown) + "\n").encode(), out / f"{stem}.md")
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for row in [header, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
