@@ -429,6 +429,38 @@ def test_multi_head_slices_the_task_head():
         SGDLearner(make_model(num_outputs=5), num_heads=2, classes_per_head=3).predict(x, task=0)
 
 
+@pytest.mark.parametrize("kind, extra", [("adam", {}), ("adagrad", {}), ("ewc_online", {"optimizer": "adam"}),
+                                         ("mas", {"optimizer": "adam"}), ("si", {"optimizer": "adam"})])
+def test_a_step_moves_only_the_task_head(kind, extra):
+    """All heads are one nn.Linear, so an old head's gradient is zero, not None: Adam's momentum moved it for
+    about ten steps after a task switch (a head of its own takes no step). Its rows, and their optimiser state,
+    stay as they were; the new head and the shared layers learn."""
+    model = make_model(num_outputs=6)
+    learner = make_baseline(kind, model, lr=0.01, num_heads=2, classes_per_head=3, **extra)
+    batches = make_batches(6)
+    for x, y in batches[:3]:
+        learner.observe(x, y, task=0)
+    head, shared = model[2], model[0].weight.detach().clone()
+    rows = [head.weight.detach()[:3].clone(), head.bias.detach()[:3].clone()]
+    state = [value[:3].clone() for p in (head.weight, head.bias) for value in learner.optimizer.state[p].values()
+             if value.dim() > 0]
+    new_head = head.weight.detach()[3:].clone()
+    for x, y in batches[3:]:
+        learner.observe(x, y, task=1)
+    assert torch.equal(head.weight[:3], rows[0]) and torch.equal(head.bias[:3], rows[1])
+    after = [value[:3] for p in (head.weight, head.bias) for value in learner.optimizer.state[p].values()
+             if value.dim() > 0]
+    assert state and all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+    assert not torch.equal(head.weight[3:], new_head) and not torch.equal(model[0].weight, shared)
+
+
+def test_a_multi_head_model_needs_its_heads_in_its_last_linear():
+    with pytest.raises(ValueError, match="last nn.Linear has 5 outputs"):
+        SGDLearner(make_model(num_outputs=5), num_heads=2)
+    with pytest.raises(ValueError, match="2 \\* 4 logits"):
+        SGDLearner(make_model(num_outputs=6), num_heads=2, classes_per_head=4)
+
+
 def test_factory_rejects_unknown_names_and_invalid_hyperparameters():
     with pytest.raises(ValueError, match="ewc_online"):  # the message lists the known names
         make_baseline("ewc", make_model())

@@ -6,9 +6,10 @@ one optimiser step on the batch and returns its cross-entropy, ``predict(x, task
 probabilities (``Predictions.mean`` only), ``state_dict()`` / ``load_state_dict()`` round-trip the model,
 the optimiser and the method's own state exactly, so an interrupted run resumes bit-for-bit.
 
-Multi-head (task-aware) models return all heads' logits concatenated ``(r, num_heads * C)``; with
-``num_heads > 1`` the learner uses the slice ``[:, task * C:(task + 1) * C]`` of the given task for both the
-loss and the prediction.
+Multi-head (task-aware) models return all heads' logits concatenated ``(r, num_heads * C)``, the heads being the
+rows of the model's last ``nn.Linear``; with ``num_heads > 1`` the learner uses the slice
+``[:, task * C:(task + 1) * C]`` of the given task for both the loss and the prediction, and a step moves only
+that head's rows (``BaselineLearner._step_task_head``), as if each head were a parameter of its own.
 
 * ``SGDLearner``, ``AdamLearner``, ``AdagradLearner``: plain optimisers (defaults: the paper's best learning
   rates on discrete permuted MNIST, appendix table "Adam, SGD and Adagrad").
@@ -79,6 +80,17 @@ def head_logits(logits: Tensor, task: int | None, num_heads: int, classes_per_he
     return logits[:, task * width : (task + 1) * width]
 
 
+def _head_layer(model: nn.Module, num_heads: int, classes_per_head: int | None) -> nn.Linear:
+    """The last ``nn.Linear`` of a multi-head model, whose rows are the heads (module docstring)."""
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    outputs = linears[-1].out_features if linears else None
+    if outputs is None or outputs % num_heads or (classes_per_head and outputs != num_heads * classes_per_head):
+        expected = f"{num_heads} * {classes_per_head}" if classes_per_head else f"a multiple of {num_heads}"
+        raise ValueError(f"a multi-head model needs its heads as the rows of its last nn.Linear ({expected} "
+                         f"logits); its last nn.Linear has {outputs if linears else 'none'} outputs")
+    return linears[-1]
+
+
 class BaselineLearner:
     """Shared machinery: head slicing, cross-entropy loss, optimiser step, prediction and state.
 
@@ -115,6 +127,7 @@ class BaselineLearner:
             name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad
         }
         self.optimizer = OPTIMIZERS[optimizer](self.trainable_parameters.values(), lr=float(lr))
+        self.head_layer = _head_layer(model, num_heads, classes_per_head) if num_heads > 1 else None
 
     def _head_logits(self, logits: Tensor, task: int | None) -> Tensor:
         """The logits of ``task``'s head (all logits for a single-head model)."""
@@ -149,6 +162,26 @@ class BaselineLearner:
                 sizes[name] = group["lr"]
         return sizes
 
+    def _step_task_head(self, task: int | None) -> None:
+        """``optimizer.step()``, with the rows of the heads other than ``task``'s (parameters and optimiser state)
+        as they were. Their gradient is zero, not None (all heads are one ``nn.Linear``), so Adam's momentum
+        would go on moving an old head for about ten steps after a task switch, which a head of its own (no
+        gradient, no step) is spared; SGD, MAS and the joint oracle with SGD are unchanged by this."""
+        if self.head_layer is None or task is None:
+            self.optimizer.step()
+            return
+        width = self.head_layer.out_features // self.num_heads
+        others = torch.ones(self.head_layer.out_features, dtype=torch.bool, device=self.head_layer.weight.device)
+        others[task * width:(task + 1) * width] = False
+        tensors = [p for p in (self.head_layer.weight, self.head_layer.bias) if p is not None and p.requires_grad]
+        tensors += [value for p in tensors for value in self.optimizer.state.get(p, {}).values()
+                    if isinstance(value, Tensor) and value.shape[:1] == (self.head_layer.out_features,)]
+        kept = [tensor[others].clone() for tensor in tensors]
+        self.optimizer.step()
+        with torch.no_grad():
+            for tensor, rows in zip(tensors, kept, strict=True):
+                tensor[others] = rows
+
     def _parameter_snapshot(self) -> dict[str, Tensor]:
         return {name: parameter.detach().clone() for name, parameter in self.trainable_parameters.items()}
 
@@ -157,7 +190,7 @@ class BaselineLearner:
         _, data_loss = self._training_loss(x, y, task)
         self.optimizer.zero_grad()
         data_loss.backward()
-        self.optimizer.step()
+        self._step_task_head(task)
         return data_loss.item()
 
     def predict(self, x: Tensor, task: int | None = None) -> Predictions:
@@ -312,7 +345,7 @@ class PerIterationConsolidationLearner(BaselineLearner, ABC):
         anchor = self._parameter_snapshot()
         self.optimizer.zero_grad()
         data_loss.backward()
-        self.optimizer.step()
+        self._step_task_head(task)
         step_sizes = self._step_sizes()
         with torch.no_grad():
             for name, parameter in self.trainable_parameters.items():
@@ -573,7 +606,7 @@ class SILearner(BaselineLearner):
                 if parameter.grad is not None:  # unused heads keep no gradient and are not stepped
                     data_gradients[name] = parameter.grad.clone()
                     parameter.grad.add_(2 * self.c * self.importance[name] * (parameter - self.anchor[name]))
-        self.optimizer.step()
+        self._step_task_head(task)
         with torch.no_grad():
             for name, gradient in data_gradients.items():
                 update = self.trainable_parameters[name] - parameters_before[name]
