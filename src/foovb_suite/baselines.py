@@ -83,11 +83,12 @@ def head_logits(logits: Tensor, task: int | None, num_heads: int, classes_per_he
 def _head_layer(model: nn.Module, num_heads: int, classes_per_head: int | None) -> nn.Linear:
     """The last ``nn.Linear`` of a multi-head model, whose rows are the heads (module docstring)."""
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    outputs = linears[-1].out_features if linears else None
-    if outputs is None or outputs % num_heads or (classes_per_head and outputs != num_heads * classes_per_head):
+    outputs = linears[-1].out_features if linears else 0
+    if not outputs or outputs % num_heads or (classes_per_head and outputs != num_heads * classes_per_head):
         expected = f"{num_heads} * {classes_per_head}" if classes_per_head else f"a multiple of {num_heads}"
+        found = f"its last nn.Linear has {outputs} outputs" if linears else "it has no nn.Linear"
         raise ValueError(f"a multi-head model needs its heads as the rows of its last nn.Linear ({expected} "
-                         f"logits); its last nn.Linear has {outputs if linears else 'none'} outputs")
+                         f"logits); {found}")
     return linears[-1]
 
 
