@@ -131,6 +131,10 @@ def job_equivalence(rank: int) -> dict[str, Any]:
         out["different_settings"] = str(error)
     for path in PATHS:  # data mode, shard_batch forgotten: the same batch on both processes
         out[f"unsharded {path}"] = unsharded_data_step(path)
+    for path in (*PATHS, "own loop"):  # MC mode, every process its own batch (a DistributedSampler)
+        out[f"own batches {path}"] = mc_step_on_own_batches(rank, path)
+    out["own batches unchecked"] = mc_step_on_own_batches(rank, "closure", check_same_batch=False)
+    out["augmented in closure"] = mc_step_augmenting_in_the_closure(rank)
     out["out of step"] = out_of_step_process(rank)
     return out
 
@@ -180,6 +184,52 @@ def unsharded_data_step(path: str) -> dict[str, Any]:
                                                                                         params)
     result["sharded_loss"] = step(*shard_batch(x, y))
     return result
+
+
+def mc_step_on_own_batches(rank: int, path: str, check_same_batch: bool = True) -> dict[str, Any]:
+    """An MC-parallel step where each process got its own batch: its error, whether the posterior and the model
+    stayed as they were, and the loss of a step on the same batch after it."""
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
+    distribute(optimizer, "mc", check_same_batch=check_same_batch)
+    before, params = posterior_snapshot(optimizer), params_snapshot(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        if path == "batched":
+            return optimizer.step_batched(x, y, lambda out, target: F.cross_entropy(out, target, reduction="sum"))
+        if path == "closure":
+            return optimizer.step(summed_loss_closure(model, x, y))
+        for _ in optimizer.sample_shard:
+            with optimizer.sampled_params(train=True):
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+        return optimizer.step()
+
+    result: dict[str, Any] = {"error": None}
+    try:
+        result["loss"] = step(*batch(rank, 4))
+    except ValueError as error:
+        result["error"] = str(error)
+    result["unchanged"] = all_equal(posterior_snapshot(optimizer), before) and all_equal(params_snapshot(model),
+                                                                                        params)
+    result["same_batch_loss"] = step(*batch(5, 4))
+    return result
+
+
+def mc_step_augmenting_in_the_closure(rank: int) -> dict[str, Any]:
+    """MC mode, the same batch on both processes, but the closure adds fresh noise to it at every call (rank 1
+    evaluates 2 samples, so its samples saw different inputs): no error, finite losses."""
+    model = mlp()
+    optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
+    distribute(optimizer, "mc")
+    x, y = batch(0, 4)
+    noise = make_generator(rank)
+
+    def closure() -> torch.Tensor:
+        loss = F.cross_entropy(model(x + 0.1 * torch.randn(x.shape, generator=noise)), y, reduction="sum")
+        loss.backward()
+        return loss
+
+    return {"losses": [optimizer.step(closure) for _ in range(2)]}
 
 
 def job_failure(rank: int, failure: str) -> None:
@@ -448,7 +498,9 @@ def test_all_reduced_bytes(results: list[dict]) -> None:
     """What travels per step: float32 statistics and losses, and 16 bytes per low-rank statistic and process
     (its rank and fingerprint)."""
     params = sum(p.numel() for p in mlp().parameters())  # diagonal: grad_sum and grad_noise_sum per weight
-    check = {"mc": 16, "data": 32}  # check_in_step: the step seed's max and min, in data mode the losses' hash's
+    # check_in_step, float64 maxima of values and of their negations: the step seed's two halves; in data mode the
+    # losses' hash's two halves; in MC mode the batch signature (a flag and the inputs' 4 moments)
+    check = {"mc": 2 * 8 * (2 + 5), "data": 2 * 8 * (2 + 2)}
     assert results[0][("mc", "diagonal", "batched", 4)]["bytes"] == 4 * (2 * params + K) + check["mc"]
     # kronecker, 20 inputs, batched: layer 1 (p = 6, n = 21): psi_sum p x n, psi_a_phi p x p, and psi_b_phi =
     # X^T R, whose left factor X (8 x n) is the batch: the same on both processes under MC-parallel training,
@@ -474,6 +526,29 @@ def test_data_mode_refuses_the_same_batch_on_every_process(results: list[dict], 
         assert "every process evaluated the same batch" in got["error"] and "shard_batch" in got["error"]
         assert got["unchanged"]
         assert math.isfinite(got["sharded_loss"])
+
+
+@pytest.mark.parametrize("path", [*PATHS, "own loop"])
+def test_mc_mode_refuses_a_different_batch_on_every_process(results: list[dict], path: str) -> None:
+    """MC mode with each process's own batch (a DistributedSampler's habit): every sample's gradient would be of
+    another batch, silently. Now a ValueError on every process, nothing changed, and a step on one batch runs."""
+    for rank in range(WORLD):
+        got = results[rank][f"own batches {path}"]
+        assert "evaluated different batches" in got["error"] and "mode='data'" in got["error"], got["error"]
+        assert got["unchanged"]
+        assert math.isfinite(got["same_batch_loss"])
+
+
+def test_mc_mode_batch_check_can_be_turned_off(results: list[dict]) -> None:
+    for rank in range(WORLD):
+        got = results[rank]["own batches unchecked"]
+        assert got["error"] is None and not got["unchanged"] and math.isfinite(got["loss"])
+
+
+def test_mc_mode_accepts_inputs_changed_inside_the_closure(results: list[dict]) -> None:
+    """A process whose own samples saw different inputs (augmentation in the closure) skips the comparison."""
+    assert results[0]["augmented in closure"] == results[1]["augmented in closure"]
+    assert all(math.isfinite(loss) for loss in results[0]["augmented in closure"]["losses"])
 
 
 def test_processes_out_of_step_raise_on_every_rank(results: list[dict]) -> None:
@@ -643,3 +718,18 @@ def test_all_reduced_losses_are_each_samples_loss_at_its_index(state_results):
     for rank in range(WORLD):
         (got,) = state_results[rank]["reduced_losses"]
         assert got == pytest.approx(want, rel=1e-5), rank
+
+
+def test_input_moments_tell_batches_apart() -> None:
+    """The MC-mode batch check's moments: equal for equal inputs, different for the same rows in another order
+    (the position-weighted sum), another row count, or one changed element; finite for NaN / Inf inputs."""
+    x = torch.randn(8, 5, generator=make_generator(0))
+    y = torch.arange(8)
+    moments = fd.input_moments([x, y])
+    assert torch.equal(moments, fd.input_moments([x.clone(), y.clone()]))
+    assert moments[0] == 8 * 5 + 8 and torch.isclose(moments[1], x.double().sum() + 28)
+    changed = x.clone()
+    changed[3, 2] += 1e-3
+    for other in ([x.flip(0), y], [x, y.flip(0)], [x[:7], y[:7]], [changed, y]):
+        assert not torch.equal(moments, fd.input_moments(other))
+    assert torch.isfinite(fd.input_moments([torch.tensor([float("nan"), float("inf"), 1.0])])).all()

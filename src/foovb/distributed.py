@@ -13,9 +13,10 @@ all-reduce, in two ways:
 
 In both modes `distribute` gives the optimizer an `AllReduce` as its `statistics_reducer`; its `reduce`
 (called by `FOOVB._apply_update`) checks in a tiny all-reduce that the processes are in step (and, in data mode,
-on different shards: `check_in_step`), then (`all_reduce_statistics`) sums the statistics and the per-sample losses
-with one all-reduce per dtype (one in practice; low-rank statistics add a tiny one that chooses how they travel), so
-every process applies the identical update, raises identically on NaN/Inf and returns the same mean loss.
+on different shards; in MC mode, on the same batch: `check_in_step`), then (`all_reduce_statistics`) sums the
+statistics and the per-sample losses with one all-reduce per dtype (one in practice; low-rank statistics add a
+tiny one that chooses how they travel), so every process applies the identical update, raises identically on
+NaN/Inf and returns the same mean loss.
 
 Reproducibility: the noise of sample k of block b at a step is a pure function of (step seed, b, k)
 (`FOOVB.draw_noise`), and the step seeds come from `FOOVB.generator`, whose state `distribute` broadcasts from
@@ -29,13 +30,14 @@ import functools
 import hashlib
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from .linalg import LowRank
 from .optimizer import FOOVB
@@ -146,7 +148,8 @@ def _broadcast_(tensor: Tensor, group: Any) -> None:
         tensor.copy_(staged)
 
 
-def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> None:
+def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
+               check_same_batch: bool = True) -> None:
     """Make `optimizer` train jointly with the other processes of `group` (default: all processes).
 
     Call it on every process, after building the identical model and optimizer (and after loading a
@@ -158,6 +161,12 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
         mode: "mc" (every process gets the same batch and evaluates its share of the K samples; needs
             K >= number of processes) or "data" (every process gets its shard of the batch, see
             `shard_batch`, and evaluates all K samples; needs loss_reduction "auto" or "sum").
+        check_same_batch: MC mode: at every step, compare across the processes a few moments of the inputs the
+            model was called with during the step's samples (a forward pre-hook on the model), and raise
+            ValueError on every process when they differ (each process got its own batch, e.g. from a
+            DistributedSampler: that is data mode). A process whose samples saw different inputs (random
+            augmentation inside the closure) skips the comparison, except with one sample per process, where
+            the two cannot be told apart: pass False there.
     Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
@@ -191,7 +200,38 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None) -> 
     for tensor in state:
         _broadcast_(tensor, group)
     optimizer.load_mean_into_model()
-    optimizer.statistics_reducer = AllReduce(group, mode, shard)
+    previous = optimizer.statistics_reducer
+    if isinstance(previous, AllReduce) and previous.input_hook is not None:
+        previous.input_hook.remove()
+    reducer = AllReduce(group, mode, shard)
+    if mode == "mc" and check_same_batch:
+        reducer.input_hook = _watch_inputs(optimizer, reducer)
+    optimizer.statistics_reducer = reducer
+
+
+def _watch_inputs(optimizer: FOOVB, reducer: AllReduce) -> RemovableHandle:
+    """A forward pre-hook on the model that records, during a step's samples, the moments of its inputs."""
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        pending = optimizer._pending
+        if pending is not None:
+            reducer.record_inputs(pending.seed, [*args, *kwargs.values()])
+
+    return optimizer.model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def input_moments(tensors: list[Tensor]) -> Tensor:
+    """Four float64 numbers that tell batches apart, on the tensors' device: their number of elements, sum, sum of
+    squares, and sum weighted by position (the tensors flattened and concatenated, positions scaled to [0, 1))."""
+    flat = [torch.nan_to_num((torch.view_as_real(t) if t.is_complex() else t).detach().reshape(-1).double())
+            for t in tensors]
+    total, offset = sum(v.numel() for v in flat), 0
+    moments = torch.zeros(4, dtype=torch.float64, device=flat[0].device)
+    moments[0] = float(total)
+    for v in flat:
+        position = (torch.arange(v.numel(), dtype=torch.float64, device=v.device) + offset) / max(total, 1)
+        moments[1:] += torch.stack([v.sum(), v.square().sum(), (v * position).sum()]).to(moments.device)
+        offset += v.numel()
+    return torch.nan_to_num(moments)
 
 
 @dataclass
@@ -202,6 +242,35 @@ class AllReduce:
     mode: str
     samples: range  # the sample indices this process evaluates
     bytes: int = 0  # bytes all-reduced by the last step (statistics, losses and layouts)
+    input_hook: RemovableHandle | None = None  # MC mode, check_same_batch: `_watch_inputs`
+    inputs: list[tuple[int, Tensor | None]] = field(default_factory=list)  # (step seed, `input_moments`) per call
+    _last_inputs: tuple | None = field(default=None, repr=False)  # (tensors, their versions, their moments)
+
+    def record_inputs(self, step_seed: int, values: list[Any]) -> None:
+        """Record the moments of the tensors a model call received (None: no tensor). The same tensors, unchanged,
+        as in the previous call (a closure that passes its batch to every sample) reuse their moments."""
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        if not tensors:
+            self.inputs.append((step_seed, None))
+            return
+        versions = [None if t.is_inference() else t._version for t in tensors]
+        last = self._last_inputs
+        if (last is None or None in versions or len(last[0]) != len(tensors)
+                or any(a is not b for a, b in zip(last[0], tensors, strict=True)) or last[1] != versions):
+            last = self._last_inputs = (tensors, versions, input_moments(tensors))
+        self.inputs.append((step_seed, last[2]))
+
+    def batch_signature(self, step_seed: int) -> list[float]:
+        """[1, the moments] when every model call of this step's samples on this process received the same
+        inputs, else [0, 0, 0, 0, 0]; forgets the calls recorded so far."""
+        records = [moments for seed, moments in self.inputs if seed == step_seed]
+        self.inputs, self._last_inputs = [], None
+        if not records or any(m is None for m in records):
+            return [0.0] * 5
+        first = records[0].cpu()
+        if any(not torch.equal(m.cpu(), first) for m in records[1:] if m is not records[0]):
+            return [0.0] * 5
+        return [1.0, *first.tolist()]
 
     def reduce(self, blocks: list[PosteriorBlock], stats: dict[PosteriorBlock, dict], num_samples: int,
                losses: list[float], loss_rows: float,
@@ -275,34 +344,57 @@ def _low_rank_layouts(values: list[LowRank], group: Any) -> list[_Layout]:
     return layouts
 
 
+def _halves(value: int) -> list[float]:
+    """A non-negative integer below 2^64 as two 32-bit halves, exact in float64."""
+    return [float(value >> 32), float(value & 0xFFFFFFFF)]
+
+
 def check_in_step(reducer: AllReduce, losses: list[float], step_seed: int) -> int:
-    """Before a step's statistics are summed, one tiny all-reduce (the max of each value and of its negation, 16
-    bytes, 32 in data mode) checks that the processes are in step and, in data mode, on their own shards; a
-    ValueError on every process otherwise (the posterior unchanged), where the sum would mix them silently:
+    """Before a step's statistics are summed, one tiny all-reduce (the max of each value and of its negation, as
+    float64: 32 bytes, 64 in data mode, 112 in MC mode with check_same_batch) checks that the processes are in step
+    and on the batches their mode expects; a ValueError on every process otherwise (the posterior unchanged),
+    where the sum would mix them silently:
     * the step seeds differ: a process skipped a step (an exception caught on it alone) or loaded a state dict the
       others did not;
     * data mode: every process evaluates the same K sampled networks, so equal losses on all processes mean one
-      batch on all of them (shard_batch forgotten): its likelihood would count once per process.
+      batch on all of them (shard_batch forgotten): its likelihood would count once per process;
+    * MC mode: the moments of the model's inputs differ between processes whose own samples all saw one input
+      (`AllReduce.batch_signature`): each process got its own batch (a DistributedSampler; that is data mode),
+      and every sample's gradient would be of another batch. Equal within a relative 1e-9 (the same batch gives
+      the same moments up to summation order on different hardware).
     Returns the bytes it all-reduced."""
     group = reducer.group
-    values = [step_seed] + ([_fingerprint(torch.tensor(losses, dtype=torch.float64))] if reducer.mode == "data"
-                            else [])
-    extremes = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.int64)
+    values = _halves(step_seed)
+    if reducer.mode == "data":
+        values += _halves(_fingerprint(torch.tensor(losses, dtype=torch.float64)))
+    if reducer.input_hook is not None:
+        values += reducer.batch_signature(step_seed)
+    extremes = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.float64)
     sent = extremes.numel() * extremes.element_size()
     extremes = extremes.to(_comm_device(group))
     dist.all_reduce(extremes, dist.ReduceOp.MAX, group=group)
-    same = [int(high) == -int(negated_low) for high, negated_low in extremes.view(-1, 2).cpu().tolist()]
-    if not same[0]:
+    high, low = (extremes.view(-1, 2).cpu() * torch.tensor([1.0, -1.0], dtype=torch.float64)).unbind(1)
+    if not torch.equal(high[:2], low[:2]):
         raise ValueError(
             "the processes are at different steps of the posterior (their step seeds differ): a process skipped a "
             "step (an exception caught on it alone?) or loaded a state dict the others did not (load it on every "
             "process, or before distribute)")
-    if reducer.mode == "data" and dist.get_world_size(group) > 1 and same[1]:
+    if reducer.mode == "data" and dist.get_world_size(group) > 1 and torch.equal(high[2:4], low[2:4]):
         raise ValueError(
             "distribute(..., mode='data'): every process evaluated the same batch (their losses of the step's "
             f"{len(losses)} sampled networks are equal), which counts its likelihood once per process. Give each "
             "process its own rows (foovb.distributed.shard_batch(x, y), or a DistributedSampler); for the same "
             "batch on every process, use mode='mc'")
+    if reducer.input_hook is not None and float(low[2]) == 1.0:  # every process saw one input in its samples
+        moments_high, moments_low = high[3:], low[3:]
+        if bool(((moments_high - moments_low) > 1e-9 * torch.maximum(moments_high.abs(), moments_low.abs())).any()):
+            raise ValueError(
+                "distribute(..., mode='mc'): the processes evaluated different batches (the model's inputs differ "
+                "between them), and every Monte Carlo sample's gradient would be of another batch. MC mode splits "
+                "the K samples of one batch: give every process the same batch, or, for a batch split over the "
+                "processes (shard_batch, a DistributedSampler), use mode='data'. If your closure itself draws new "
+                "inputs at every call (random augmentation) with one sample per process, the two cannot be told "
+                "apart: distribute(..., check_same_batch=False)")
     return sent
 
 
