@@ -781,6 +781,63 @@ def test_load_state_dict_refuses_another_architecture(family):
             FOOVB(mlp(), family, 3, **PAPER).load_state_dict(bad)
 
 
+@pytest.mark.parametrize("progress", [
+    {"steps_taken": 1}, {"generator": torch.zeros(3, dtype=torch.uint8), "steps_taken": 1},
+    {"generator": None, "steps_taken": 1}, {"steps_taken": -1}, {"steps_taken": 1.5}, None])
+def test_load_state_dict_refuses_a_bad_foovb_entry_and_changes_nothing(progress):
+    """The 'foovb' entry was read after the posterior was replaced: a KeyError or TypeError left the optimizer
+    training its old posterior while state_dict() saved the loaded tensors."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 3, seed=0, **PAPER)
+    saved = opt.state_dict()
+    if progress is not None and "generator" not in progress and "steps_taken" in progress and \
+            progress["steps_taken"] != 1:
+        progress = {"generator": saved["foovb"]["generator"], **progress}
+    x, y = mlp_batch()
+    opt.step(ce_closure(model, x, y))
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    with pytest.raises(ValueError, match="its 'foovb' entry must hold"):
+        opt.load_state_dict({**saved, "foovb": progress})
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
+    opt.step(ce_closure(model, x, y))  # the posterior the optimizer trains is the one it saves
+    assert all_equal(list(opt.state_dict()["state"][0].values()),
+                     [opt.blocks[0].state[key] for key in opt.state_dict()["state"][0]])
+
+
+def test_load_state_dict_during_a_step_is_refused():
+    """A step begun by sampled_params(train=True) blocks holds samples of the current posterior: loading
+    another under it mixed the two in the update."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0, **PAPER)
+    saved = opt.state_dict()
+    x, y = mlp_batch()
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(RuntimeError, match="while a step is under way"):
+        opt.load_state_dict(saved)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    opt.step()
+    opt.load_state_dict(saved)  # between steps
+    assert opt.steps_taken == 0
+
+
+def test_a_later_blocks_different_batch_size_is_refused():
+    """Only the first sampled_params(train=True) block's batch_size reached the step; another value on a later
+    block was dropped silently."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 2, seed=0)
+    x, y = mlp_batch()
+    with opt.sampled_params(train=True, batch_size=len(x)):
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match="first sampled_params.train=True. block had batch_size=8"):
+        with opt.sampled_params(train=True, batch_size=10 * len(x)):
+            pass
+    with opt.sampled_params(train=True):  # None: the step's batch_size
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert np.isfinite(opt.step())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_sizes_in_param_groups_are_the_ones_used(family):
     """Changing mean_step / cov_step in param_groups (what a schedule does) equals building with them;

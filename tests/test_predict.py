@@ -281,6 +281,54 @@ def test_sampled_params_loads_a_sample_and_restores_the_mean(family):
     assert all_equal(params_snapshot(model), mean)
 
 
+def test_sampled_params_seed_is_checked_as_predicts():
+    """A numpy seed overflowed deep in the noise mixing, a float was a TypeError from '&', and True was taken
+    as 1 (predict refuses it)."""
+    model, opt = trained("diagonal")
+    with opt.sampled_params(seed=np.int64(3)):
+        numpy_seeded = params_snapshot(model)
+    with opt.sampled_params(seed=3):
+        assert all_equal(params_snapshot(model), numpy_seeded)
+    for seed in (0.5, True, "3"):
+        with pytest.raises(TypeError, match="seed must be an int or None"):
+            with opt.sampled_params(seed=seed):
+                pass
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4 + 2, 3)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, z = inputs
+        return self.fc(torch.cat([x, z], -1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tuple_of_inputs_is_predicted_one_network_at_a_time(family):
+    """model((x, z)): the stacked route read inputs.shape, an AttributeError it did not fall back from."""
+    model = _TwoInputs()
+    opt = FOOVB(model, family, 4, seed=0)
+    inputs = (torch.randn(5, 4), torch.randn(5, 2))
+    pred = predict(opt, inputs, K, seed=2)
+    noises = opt.draw_noise(2, range(K))
+    for k in range(K):
+        opt.load_sample(noises, k)
+        with torch.no_grad():
+            torch.testing.assert_close(pred.samples[k], torch.softmax(model(inputs), -1))
+    opt.load_mean_into_model()
+
+
+def test_passing_the_model_instead_of_the_optimizer_is_a_type_error():
+    model, opt = trained("diagonal")
+    x, _ = mlp_batch()
+    for function in (predict, sample_probabilities):
+        with pytest.raises(TypeError, match="takes the FOOVB optimizer"):
+            function(model, x, 2)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_conv_model_samples_one_network_at_a_time_on_the_cpu(family, monkeypatch):
     """A model with a Conv2d on the CPU: the sampled networks are evaluated one at a time (stacked, measured

@@ -40,6 +40,7 @@ from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, drop_auto
 from .presets import FIXED, PRESETS, check_batch_size, check_param_group, check_state_dict, resolve, validate
 from .priors import XAVIER, prior_blocks
 from .reduction import loss_reduction_of
+from .validation import inspection_seed
 
 __all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of", "mix"]
 
@@ -278,9 +279,8 @@ class FOOVB(torch.optim.Optimizer):
             with self._training_sample(batch_size, reports_loss=False) as sample:
                 yield sample
             return
-        if seed is None:  # not from self.generator: inspecting samples must not change the training noise
-            seed = int(torch.randint(2**62, (1,)).item())
-        noises = self.draw_noise(seed, range(1))
+        # not from self.generator: inspecting samples must not change the training noise
+        noises = self.draw_noise(inspection_seed(seed), range(1))
         try:
             self.load_sample(noises, 0)
             yield Sample(0)
@@ -298,6 +298,9 @@ class FOOVB(torch.optim.Optimizer):
     def _training_sample(self, batch_size: int | None, reports_loss: bool, restore_mean: bool = True,
                          defer: bool = False) -> contextlib.AbstractContextManager[Sample]:
         """One Monte Carlo sample of the current step (started here if none is): `engine.Step.sample`."""
+        if self._pending is not None and batch_size is not None and batch_size != self._pending.batch_size:
+            raise ValueError(f"batch_size={batch_size!r}, but this step's first sampled_params(train=True) block "
+                             f"had batch_size={self._pending.batch_size!r}: the step's samples share one batch")
         pending = self._pending if self._pending is not None else self._start_step(batch_size)
         return pending.sample(self, reports_loss, restore_mean, defer)
 
@@ -397,15 +400,20 @@ class FOOVB(torch.optim.Optimizer):
         """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
         (checked before anything changes). The step sizes ("lr", the mean step, and "cov_step") are taken from
         it, as torch optimizers do with their learning rates. The tensors are copied."""
+        if self._pending is not None:
+            raise RuntimeError("load_state_dict while a step is under way (sampled_params(train=True) blocks ran, or "
+                               "inside a step's closure): its samples came from the current posterior; call step() "
+                               "first, or load before the blocks")
         if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
             raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         state_dict = dict(state_dict)
         check_state_dict(state_dict, self._fixed, len(self.param_groups[0]["params"]), self.blocks,
-                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])})
+                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])},
+                         self.generator.get_state())
         extra = state_dict.pop("foovb")
         super().load_state_dict(state_dict)
         self.generator.set_state(extra["generator"])
-        self.steps_taken = extra["steps_taken"]
+        self.steps_taken = int(extra["steps_taken"])
         for block in self.blocks:
             loaded = self.state[block.params[0]]
             block.state.clear()

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .engine import stacking_is_slower
 from .optimizer import FOOVB
 from .sampled import SampledNetwork, check_batched_support
-from .validation import is_integer
+from .validation import inspection_seed, is_integer
 
 __all__ = ["Predictions", "predict", "sample_probabilities"]
 
@@ -93,17 +93,14 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
     a time. `seed` fixes the draws (independent of the training noise stream), the same on both routes; None:
     fresh draws (from torch's global generator, as `sampled_params()`).
     """
+    _check_optimizer(optimizer, "sample_probabilities")
     _check_count("num_samples", num_samples, minimum=1)
     if chunk_size is not None:
         _check_count("chunk_size", chunk_size, minimum=1)
-    if seed is None:
-        seed = int(torch.randint(2**62, (1,)).item())
-    elif not is_integer(seed):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
-    seed = int(seed)
+    seed = inspection_seed(seed)
     optimizer._check_ready_to_sample("sample_probabilities()")
     with _EvalMode(optimizer.model):
-        if _stacks_samples(optimizer):
+        if isinstance(inputs, Tensor) and _stacks_samples(optimizer):  # else (a tuple of inputs) one at a time
             try:
                 return _stacked_probabilities(optimizer, inputs, num_samples, seed, chunk_size, output_fn)
             except (RuntimeError, ValueError):  # a forward the stacked layers cannot follow: one at a time
@@ -136,6 +133,12 @@ def _stacked_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, s
     return torch.cat(outputs)
 
 
+def _check_optimizer(optimizer: object, what: str) -> None:
+    if not isinstance(optimizer, FOOVB):
+        raise TypeError(f"{what} takes the FOOVB optimizer (which holds the model and its posterior) first, got "
+                        f"{type(optimizer).__name__}")
+
+
 def _check_count(name: str, value: object, minimum: int) -> None:
     if not is_integer(value):
         raise TypeError(f"{name} must be an int, got {value!r}")
@@ -148,6 +151,7 @@ def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int
             chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Predictions:
     """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0
     (`sample_probabilities`; `seed` None: fresh draws)."""
+    _check_optimizer(optimizer, "predict")
     _check_count("num_samples", num_samples, minimum=0)
     optimizer._check_ready_to_sample("predict()")
     model = optimizer.model

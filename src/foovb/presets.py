@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import math
 
+from torch import Tensor
+
 from .posteriors import FAMILIES
 from .priors import XAVIER
 from .validation import is_boolean, is_integer, is_real
@@ -151,9 +153,19 @@ def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict
     return {**PRESETS[preset][posterior], **given}
 
 
-def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list, index: dict[int, int]) -> None:
+def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list, index: dict[int, int],
+                     generator_state: Tensor) -> None:
     """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture
-    (`num_params` trainable tensors; each block's state of the same shapes, `index`: id(param) -> its position)."""
+    (`num_params` trainable tensors; each block's state of the same shapes, `index`: id(param) -> its position),
+    with a noise generator's state like `generator_state` and a step count."""
+    progress = state_dict["foovb"]
+    if not (isinstance(progress, dict) and isinstance(progress.get("generator"), Tensor)
+            and progress["generator"].dtype == generator_state.dtype
+            and progress["generator"].shape == generator_state.shape
+            and is_integer(progress.get("steps_taken")) and progress["steps_taken"] >= 0):
+        raise ValueError("not a FOOVB state dict: its 'foovb' entry must hold the noise generator's state (a "
+                         f"{tuple(generator_state.shape)} uint8 tensor, 'generator') and the steps taken (an int "
+                         "'steps_taken' >= 0)")
     groups = state_dict["param_groups"]
     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
         raise ValueError("not a FOOVB state dict: 'param_groups' must be a list of dicts")
@@ -173,8 +185,8 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
         for key, value in block.state.items():
             if key in block.optional_state:
                 continue
-            if key not in saved or tuple(saved[key].shape) != tuple(value.shape):
-                found = tuple(saved[key].shape) if key in saved else "missing"
+            if not isinstance(saved.get(key), Tensor) or tuple(saved[key].shape) != tuple(value.shape):
+                found = tuple(saved[key].shape) if isinstance(saved.get(key), Tensor) else saved.get(key, "missing")
                 raise ValueError(f"the state dict does not fit this model: the {block.family} posterior of "
                                  f"a {tuple(block.params[0].shape)} parameter needs {key!r} of shape "
                                  f"{tuple(value.shape)}, found {found}")
