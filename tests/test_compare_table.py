@@ -83,6 +83,27 @@ def test_a_run_with_a_file_cut_short_is_one_error_line_naming_the_resume(two_run
     assert err[0].endswith("--resume` rebuilds the outputs from its checkpoint")
 
 
+@pytest.mark.parametrize("damage", ["metrics cut at a line", "metrics empty", "metrics of another run",
+                                    "summary not a dict"])
+def test_a_summary_and_metrics_that_are_not_one_runs_are_one_error_line(two_runs, tmp_path, capsys, damage):
+    """metrics.jsonl cut at a line boundary was taken whole: the seeds' mean of the final accuracies mixed a stale
+    record with the final ones; an empty one or a summary.json holding [] was a traceback."""
+    foovb, sgd = two_runs
+    lines = (foovb / "metrics.jsonl").read_text().splitlines(keepends=True)
+    if damage == "metrics cut at a line":
+        (foovb / "metrics.jsonl").write_text("".join(lines[:2]))
+    elif damage == "metrics empty":
+        (foovb / "metrics.jsonl").write_text("")
+    elif damage == "metrics of another run":
+        (foovb / "metrics.jsonl").write_text((sgd / "metrics.jsonl").read_text())
+    else:
+        (foovb / "summary.json").write_text("[]")
+    assert main(["compare", str(foovb), str(sgd), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"foovb: error: {foovb}: a damaged output file"), err
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_a_table_that_cannot_be_written_leaves_the_old_one_whole(two_runs, tmp_path, monkeypatch):
     """compare wrote its tables straight into the files: a full disk or a kill left half a table."""
     import builtins

@@ -4,11 +4,14 @@ directory."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import shlex
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -202,6 +205,62 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes_it(config
     assert f"foovb: interrupted: {saved}{out / 'checkpoint.pt'}; resume with: {command}\n" in err
     assert _checkpoint_iteration(out) == saved_at
     assert main(shlex.split(command)[1:]) == 0
+    assert _modes(out) == _modes(uninterrupted)
+
+
+class _ReaderGone(io.TextIOBase):
+    """stderr whose reader has left (`2>&1 | tee log`, tee stopped by the same Ctrl-C)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.fixture
+def stderr_reader_leaves(monkeypatch):
+    """An observe action that makes stderr a stream whose reader is gone (sys.stderr and file descriptor 2), then
+    sends `signals` SIGINTs; file descriptor 2 is restored after the test."""
+    saved = os.dup(2)
+
+    def leave(signals: int):
+        def action(learner):
+            reader, writer = os.pipe()
+            os.close(reader)
+            os.dup2(writer, 2)
+            os.close(writer)
+            monkeypatch.setattr(sys, "stderr", _ReaderGone())
+            for _ in range(signals):
+                signal.raise_signal(signal.SIGINT)
+
+        return action
+
+    yield leave
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_ctrl_c_with_stderr_through_a_stopped_pipe_still_checkpoints(config_file, tmp_path, monkeypatch, uninterrupted,
+                                                                     stderr_reader_leaves, progress) -> None:
+    """The signal handler's message to stderr raised BrokenPipeError inside the step under way: the run exited 0
+    (taken for `foovb configs | head`) without its checkpoint, losing the work since the last one."""
+    out = tmp_path / "r"
+    _patch_observe(monkeypatch, 11, stderr_reader_leaves(1))
+    assert main(["run", str(config_file), "--out", str(out), *([] if progress else ["--no-progress"])]) == 130
+    assert _checkpoint_iteration(out) == 12 and not (out / "summary.json").exists()
+    monkeypatch.undo()
+    assert main(["run", str(config_file), "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert _modes(out) == _modes(uninterrupted)
+
+
+def test_a_progress_bar_whose_reader_left_does_not_stop_the_run(config_file, tmp_path, monkeypatch, uninterrupted,
+                                                                stderr_reader_leaves) -> None:
+    """The progress bar's BrokenPipeError ended the run (exit 0, no outputs); it goes on and finishes."""
+    out = tmp_path / "r"
+    _patch_observe(monkeypatch, 11, stderr_reader_leaves(0))
+    assert main(["run", str(config_file), "--out", str(out)]) == 0
     assert _modes(out) == _modes(uninterrupted)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -81,7 +82,8 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt as error:
         signum = getattr(error, "signal_number", signal.SIGINT)
-        print(_interrupted_message(str(error), args, run_dir, signum), file=sys.stderr)
+        with contextlib.suppress(OSError):  # stderr's reader may be gone (`| tee`, stopped by the same Ctrl-C)
+            print(_interrupted_message(str(error), args, run_dir, signum), file=sys.stderr)
         return 128 + signum
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0

@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -234,6 +235,32 @@ class _StopNow(KeyboardInterrupt):
         self.signal_number = signal_number
 
 
+def silence_stderr() -> None:
+    """Send whatever is written to stderr from now on to the null device (its reader is gone)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+class _StderrWhileReadable:
+    """The progress bar's stream: sys.stderr until a write fails (a `| tee` stopped by Ctrl-C, a closed terminal),
+    then nothing, so that the run goes on to its checkpoint instead of dying in the bar's BrokenPipeError."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except OSError:
+            silence_stderr()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except OSError:
+            silence_stderr()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stderr, name)
+
+
 @contextlib.contextmanager
 def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
     """Within the block, a first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and `timeout` send before a
@@ -251,8 +278,11 @@ def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
             raise _StopNow(signum)
         requested.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
-                    "checkpoint)\n".encode())  # os.write: print could re-enter a write to stderr that the signal cut
+        try:  # os.write: print could re-enter a write to stderr that the signal cut
+            os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
+                        "checkpoint)\n".encode())
+        except OSError:  # stderr's reader is gone (`| tee`, which the same Ctrl-C stopped): checkpoint all the same
+            silence_stderr()
 
     previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -511,12 +541,10 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock)
     bar = None
     if progress and main_process:
-        import sys
-
         from tqdm import tqdm
 
         bar = tqdm(total=scenario.num_iterations, initial=loop.start, desc=config.name, unit="it",
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 60.0)
+                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 60.0, file=_StderrWhileReadable())
     # the outputs are written inside the block too: a signal while they are written waits for them to be complete
     with _deferred_interrupt(enabled=not distributed_run) as interrupt_requested:
         try:
@@ -637,10 +665,31 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     try:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         summary = json.loads(summary_path.read_text())
+        problem = _outputs_disagree(summary, records)
     except json.JSONDecodeError as error:  # a file cut short (a full disk, a copy stopped halfway)
-        raise CheckpointError(f"{run_dir}: a damaged output file ({error}); `foovb run CONFIG --out {run_dir} "
-                              "--resume` rebuilds the outputs from its checkpoint") from None
+        problem = str(error)
+    if problem is not None:
+        raise CheckpointError(f"{run_dir}: a damaged output file ({problem}); `foovb run CONFIG --out {run_dir} "
+                              "--resume` rebuilds the outputs from its checkpoint")
     return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(saved_config(run_dir))}
+
+
+def _outputs_disagree(summary: Any, records: list[Any]) -> str | None:
+    """Why a run's summary.json and metrics.jsonl are not one run's (one cut short at a line boundary, emptied,
+    copied from another run), or None: every mode's curve has one entry per record, and the first task's final
+    accuracy is the last record's."""
+    try:
+        if not summary["modes"]:
+            return "summary.json lists no evaluation modes"
+        for mode, entry in summary["modes"].items():
+            if len(entry["average_accuracy_curve"]) != len(records):
+                return (f"summary.json's {mode} curve has {len(entry['average_accuracy_curve'])} evaluations, "
+                        f"metrics.jsonl {len(records)}")
+            if records[-1]["accuracy"][mode][0] != entry["first_task_accuracy"]:
+                return f"metrics.jsonl's last {mode} evaluation is not the one summary.json ends with"
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        return f"summary.json or metrics.jsonl is not structured as a run's ({type(error).__name__}: {error})"
+    return None
 
 
 def saved_config(run_dir: str | Path) -> Config:
