@@ -112,6 +112,18 @@ class EvalConfig:
 # How a run executes, not what it computes: `--resume` accepts a change of these (e.g. resuming on a machine with
 # more cores or a GPU); a different thread count or device may change the last bits of floating-point results.
 EXECUTION_KEYS = ("threads", "device", "checkpoint_every", "checkpoint_minutes")
+# Where a run reads its data, not what it computes: `--resume` accepts a new data directory too (the run moved to a
+# machine that keeps the datasets elsewhere, or resumed from another working directory: a relative one), and
+# `foovb compare` takes runs that differ in it for seeds of one experiment.
+EXECUTION_SCENARIO_KEYS = ("data_dir",)
+
+
+def what_it_computes(config: dict[str, Any]) -> dict[str, Any]:
+    """A resolved config (`config_to_dict`) without the keys of how and where the run executes."""
+    kept = {key: value for key, value in config.items() if key not in EXECUTION_KEYS}
+    kept["scenario"] = {key: value for key, value in config.get("scenario", {}).items()
+                        if key not in EXECUTION_SCENARIO_KEYS}
+    return kept
 
 
 @dataclass

@@ -42,7 +42,15 @@ from foovb.priors import XAVIER
 
 from . import metrics, plots
 from .baselines import BASELINES
-from .config import CONTINUOUS, EXECUTION_KEYS, Config, ConfigError, config_from_dict, config_to_dict
+from .config import (
+    CONTINUOUS,
+    EXECUTION_KEYS,
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    what_it_computes,
+)
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
 from .rundir import CheckpointError, RunLock, load_checkpoint, save_checkpoint, write_atomically
@@ -521,11 +529,12 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               "--resume, or choose another directory")
     resolved = config_to_dict(config)
     if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
-        saved = config_to_dict(saved_config(run_dir))
-        changed = sorted(key for key in saved.keys() | resolved.keys() if saved.get(key) != resolved.get(key))
-        if set(changed) - set(EXECUTION_KEYS):
+        saved, computed = what_it_computes(config_to_dict(saved_config(run_dir))), what_it_computes(resolved)
+        changed = sorted(key for key in saved.keys() | computed.keys() if saved.get(key) != computed.get(key))
+        if changed:
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
-                              f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} may change")
+                              f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} and "
+                              "scenario.data_dir may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
     if state is not None:
         _load_learner_state(learner, state, checkpoint_path)
@@ -645,10 +654,10 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
 
 def experiment_key(config: dict[str, Any]) -> str:
     """What a run computes, up to its seeds: the resolved config (learner defaults filled in) without `name`,
-    `seed`, `scenario.seed` and the execution keys, as canonical JSON. Runs with equal keys are seeds of one
-    experiment (`foovb compare`)."""
-    resolved = config_to_dict(config_from_dict(config))
-    for key in ("name", "seed", *EXECUTION_KEYS):
+    `seed`, `scenario.seed` and the execution keys (`what_it_computes`), as canonical JSON. Runs with equal keys
+    are seeds of one experiment (`foovb compare`)."""
+    resolved = what_it_computes(config_to_dict(config_from_dict(config)))
+    for key in ("name", "seed"):
         resolved.pop(key)
     resolved["scenario"].pop("seed")
     learner = resolved["learner"]
