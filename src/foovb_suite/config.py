@@ -87,7 +87,7 @@ class ScenarioConfig:
     task_agnostic: bool = False  # vision mix: no task labels, one 10-way head shared by the datasets
     data_dir: str | None = None  # vision mix: where its datasets are (also looked for where system packages put them)
     datasets: list[str] = field(default_factory=lambda: ["mnist", "notmnist", "fashion_mnist", "svhn", "cifar10"])
-    seed: int = 0
+    seed: int = 0  # the data streams (permutations, batch order): in [0, 2**32)
 
 
 @dataclass
@@ -197,9 +197,11 @@ def validate(config: Config) -> Config:
     for key in ("num_tasks", "epochs_per_task", "iterations_per_task", "batch_size", "train_subset",
                 "eval_every"):
         _positive(f"scenario.{key}", getattr(s, key))
-    for key, seed in (("scenario.seed", s.seed), ("seed", config.seed)):
-        if not 0 <= seed < 2**63:  # torch.manual_seed and torch.Generator take 64-bit integers
-            raise ConfigError(f"{key}: must be in [0, 2**63), got {seed}")
+    # seed: torch.manual_seed takes 64-bit integers. scenario.seed: 32 bits, the first word of the keys of the
+    # scenario's streams (scenarios._generator), where a larger one would give another seed's streams
+    for key, seed, bits in (("scenario.seed", s.seed, 32), ("seed", config.seed, 63)):
+        if not 0 <= seed < 2**bits:
+            raise ConfigError(f"{key}: must be in [0, 2**{bits}), got {seed}")
     if s.normalization not in ("standard", "none"):
         raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
     defaults = ScenarioConfig()
