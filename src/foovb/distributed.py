@@ -213,7 +213,7 @@ def _watch_inputs(optimizer: FOOVB, reducer: AllReduce) -> RemovableHandle:
     """A forward pre-hook on the model that records, during a step's samples, the moments of its inputs."""
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         pending = optimizer._pending
-        if pending is not None:
+        if pending is not None and optimizer.statistics_reducer is reducer:  # (not after it was replaced)
             reducer.record_inputs(pending.seed, [*args, *kwargs.values()])
 
     return optimizer.model.register_forward_pre_hook(record, with_kwargs=True)
