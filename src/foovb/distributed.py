@@ -367,6 +367,7 @@ def check_in_step(reducer: AllReduce, losses: list[float], step_seed: int) -> in
     values = _halves(step_seed)
     if reducer.mode == "data":
         values += _halves(_fingerprint(torch.tensor(losses, dtype=torch.float64)))
+    signature = len(values)  # where the MC-mode batch signature starts: [flag, 4 moments]
     if reducer.input_hook is not None:
         values += reducer.batch_signature(step_seed)
     extremes = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.float64)
@@ -385,8 +386,8 @@ def check_in_step(reducer: AllReduce, losses: list[float], step_seed: int) -> in
             f"{len(losses)} sampled networks are equal), which counts its likelihood once per process. Give each "
             "process its own rows (foovb.distributed.shard_batch(x, y), or a DistributedSampler); for the same "
             "batch on every process, use mode='mc'")
-    if reducer.input_hook is not None and float(low[2]) == 1.0:  # every process saw one input in its samples
-        moments_high, moments_low = high[3:], low[3:]
+    if reducer.input_hook is not None and float(low[signature]) == 1.0:  # every process saw one input in its samples
+        moments_high, moments_low = high[signature + 1:], low[signature + 1:]
         if bool(((moments_high - moments_low) > 1e-9 * torch.maximum(moments_high.abs(), moments_low.abs())).any()):
             raise ValueError(
                 "distribute(..., mode='mc'): the processes evaluated different batches (the model's inputs differ "

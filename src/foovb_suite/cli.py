@@ -8,7 +8,6 @@ import contextlib
 import csv
 import io
 import json
-import os
 import re
 import shlex
 import signal
@@ -24,7 +23,7 @@ from foovb import __version__
 
 from .config import ConfigError, config_from_dict, default_run_dir, load_config, protocol_of
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
-from .rundir import CheckpointError, write_atomically
+from .rundir import CheckpointError, send_to_devnull, write_atomically
 
 __all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
@@ -338,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `foovb configs | head -1`: the reader left, nothing to report
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        send_to_devnull(sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:  # before or after a run's own handling (e.g. while importing torch)
         if args.debug:

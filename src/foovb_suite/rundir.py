@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT", "RunDirectoryBusy", "RunLock", "VERSION", "content_digest",
+__all__ = ["CheckpointError", "FORMAT", "RunDirectoryBusy", "RunLock", "VERSION", "content_digest", "send_to_devnull",
            "load_checkpoint", "save_checkpoint", "write_atomically"]
 
 FORMAT = "foovb-run-checkpoint"
@@ -61,6 +61,13 @@ def content_digest(state: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     _update(digest, {key: value for key, value in state.items() if key not in ("format", "digest")})
     return digest.hexdigest()
+
+
+def send_to_devnull(fd: int) -> None:
+    """From now on, what is written to file descriptor `fd` goes to the null device (its reader is gone)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 def write_atomically(data: bytes, path: Path) -> None:

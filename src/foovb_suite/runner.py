@@ -45,6 +45,7 @@ from .baselines import BASELINES
 from .config import (
     CONTINUOUS,
     EXECUTION_KEYS,
+    EXECUTION_SCENARIO_KEYS,
     Config,
     ConfigError,
     config_from_dict,
@@ -53,7 +54,7 @@ from .config import (
 )
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
-from .rundir import CheckpointError, RunLock, load_checkpoint, save_checkpoint, write_atomically
+from .rundir import CheckpointError, RunLock, load_checkpoint, save_checkpoint, send_to_devnull, write_atomically
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -243,11 +244,6 @@ class _StopNow(KeyboardInterrupt):
         self.signal_number = signal_number
 
 
-def silence_stderr() -> None:
-    """Send whatever is written to stderr from now on to the null device (its reader is gone)."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-
-
 class _StderrWhileReadable:
     """The progress bar's stream: sys.stderr until a write fails (a `| tee` stopped by Ctrl-C, a closed terminal),
     then nothing, so that the run goes on to its checkpoint instead of dying in the bar's BrokenPipeError."""
@@ -256,14 +252,14 @@ class _StderrWhileReadable:
         try:
             return sys.stderr.write(text)
         except OSError:
-            silence_stderr()
+            send_to_devnull(2)
             return len(text)
 
     def flush(self) -> None:
         try:
             sys.stderr.flush()
         except OSError:
-            silence_stderr()
+            send_to_devnull(2)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(sys.stderr, name)
@@ -290,7 +286,7 @@ def _deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
             os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
                         "checkpoint)\n".encode())
         except OSError:  # stderr's reader is gone (`| tee`, which the same Ctrl-C stopped): checkpoint all the same
-            silence_stderr()
+            send_to_devnull(2)
 
     previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -534,7 +530,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         if changed:
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
                               f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} and "
-                              "scenario.data_dir may change")
+                              f"{', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
     if state is not None:
         _load_learner_state(learner, state, checkpoint_path)
