@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT", "RunDirectoryBusy", "RunLock", "VERSION", "content_digest", "send_to_devnull",
-           "load_checkpoint", "save_checkpoint", "write_atomically"]
+__all__ = ["CheckpointError", "FORMAT", "RunDirectoryBusy", "RunLock", "VERSION", "content_digest", "load_checkpoint",
+           "save_checkpoint", "send_to_devnull", "write_atomically"]
 
 FORMAT = "foovb-run-checkpoint"
 VERSION = 2  # 1: the checkpoints of foovb 1.0, without "format" and "digest" (read, not verified)
