@@ -165,9 +165,10 @@ def test_presets_fill_what_is_not_given(family):
     group = opt.param_groups[0]
     assert (group["lr"], group["cov_step"], group["antithetic"]) == (
         recommended["mean_step"], recommended["cov_step"], recommended["antithetic"])
-    assert group["antithetic"] and (group["cov_step"] < 1 or family == "full")  # measured recipes, not the paper's
+    assert group["antithetic"] and group["implicit_mean"]  # measured recipes, not the paper's
     paper = FOOVB(mlp(), family, preset="paper", cov_step=0.5).param_groups[0]
-    assert (paper["lr"], paper["cov_step"], paper["antithetic"], paper["std_growth"]) == (1.0, 0.5, False, "paper")
+    assert (paper["lr"], paper["cov_step"], paper["antithetic"], paper["std_growth"], paper["implicit_mean"]) == (
+        1.0, 0.5, False, "paper", False)
 
 
 def test_gradient_accumulation_is_refused_and_a_step_leaves_no_gradient():

@@ -13,8 +13,9 @@ size; there is no silent default for it.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +38,16 @@ from .engine import (
     trainable_blocks,
 )
 from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, drop_autocast_cache, full_precision
-from .presets import FIXED, PRESETS, check_batch_size, check_param_group, check_state_dict, resolve, validate
+from .presets import (
+    FIXED,
+    LEGACY_FIXED,
+    PRESETS,
+    check_batch_size,
+    check_param_group,
+    check_state_dict,
+    resolve,
+    validate,
+)
 from .priors import XAVIER, prior_blocks
 from .reduction import loss_reduction_of
 from .validation import inspection_seed
@@ -65,6 +75,9 @@ class _Progress:
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
+    first_mean_norms: dict = field(default_factory=dict)  # block -> its mean's norm after its first update
+    mean_norms: dict = field(default_factory=dict)  # block -> its mean's norm after the last update
+    prior_variances: dict = field(default_factory=dict)  # block -> its mean variance before its first update
 
 
 def _progress(key: str, doc: str) -> property:
@@ -82,8 +95,9 @@ class FOOVB(torch.optim.Optimizer):
             theta_k = mu + A eps_k          # load_sample
             g_k = grad L_n(theta_k)         # the closure (or one batched pass for all K)
         E[g] = mean_k g_k,  E[g eps^T] = mean_k g_k eps_k^T
-        mu    <- mu - eta A A^T E[g]                        # Eq. "mean update" (eta = 1 in the paper)
-        A     <- solution of the fixed point with beta E[g eps^T]   # Lemmas 1-2; diagonal: closed form
+        A'    <- solution of the fixed point with beta E[g eps^T]   # Lemmas 1-2; diagonal: closed form
+        mu    <- mu - eta A' A'^T E[g]      # Eq. "Gaussian first order necessary conditions" with the updated
+                                            # covariance (implicit_mean); the paper's Algorithm 1: A A^T, eta = 1
 
     Args (each in full in `foovb.presets`' docstring and docs/api.md):
         model: the network; its parameters are the prior mean (init="keep") and hold the posterior mean after
@@ -98,6 +112,9 @@ class FOOVB(torch.optim.Optimizer):
             the multiplier of E[g eps^T] in the covariance update.
         antithetic, std_growth, cov_momentum: antithetic pairs (eps, -eps); how the diagonal sigma may grow
             ("paper", "capped", "none": Lemma 2's root); an average of E[g eps] over steps.
+        implicit_mean: the mean step with the updated covariance, mu <- mu - eta Sigma_new E[g] (the first-order
+            solution of the implicit mean equation; each step bounded by the curvature it measured), or with the
+            prior's as Algorithm 1 (False).
         max_full_params: full family: the largest block.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
@@ -117,6 +134,7 @@ class FOOVB(torch.optim.Optimizer):
         antithetic: bool | None = None,
         std_growth: str | None = None,
         cov_momentum: float | None = None,
+        implicit_mean: bool | None = None,
         init: str | None = None,
         max_full_params: int | None = None,
         loss_reduction: str = "auto",
@@ -126,7 +144,8 @@ class FOOVB(torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
-            std_growth=std_growth, cov_momentum=cov_momentum, init=init, max_full_params=max_full_params))
+            std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean, init=init,
+            max_full_params=max_full_params))
         validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -137,7 +156,7 @@ class FOOVB(torch.optim.Optimizer):
                         alpha=float(settings["alpha"]), lr=float(settings["mean_step"]),
                         cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
                         antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
-                        cov_momentum=float(settings["cov_momentum"]))
+                        cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]))
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
@@ -167,6 +186,7 @@ class FOOVB(torch.optim.Optimizer):
     antithetic = _fixed_setting("antithetic", "Whether the Monte Carlo samples come in pairs (eps, -eps).")
     std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
     cov_momentum = _fixed_setting("cov_momentum", "rho of the diagonal family's average of E[g eps] over steps.")
+    implicit_mean = _fixed_setting("implicit_mean", "Whether the mean step uses the updated covariance.")
     @property
     def sample_shard(self) -> range:
         """The sample indices this process evaluates: all, or its share under MC-parallel training."""
@@ -336,9 +356,11 @@ class FOOVB(torch.optim.Optimizer):
         try:
             mean_loss = self._apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
                                            pending.seed)
-        except BaseException:
+        except BaseException as error:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
+            if isinstance(error, FloatingPointError) and self.steps_taken:
+                raise FloatingPointError(f"{error}. {self._divergence_advice(pending.grad_scale)}") from error
             raise
         pending.running.average()
         return mean_loss
@@ -368,11 +390,40 @@ class FOOVB(torch.optim.Optimizer):
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float,
                       num_samples: int, step_seed: int) -> float:
         """UPDATE every block the step trains (`engine.apply_update`), then load the new mean into the model."""
+        for block in stats:  # the prior's mean variance of a block, read once (for a divergence's advice)
+            if block not in self._progress.prior_variances:
+                self._progress.prior_variances[block] = float(torch.stack(
+                    [block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
         mean_loss = apply_update(stats, losses, loss_rows, num_samples, self.mean_step, self.cov_step,
                                  self.statistics_reducer, self.steps_taken, self.std_growth, step_seed)
+        with torch.no_grad():  # each block's mean norm, for a divergence's advice (no synchronisation here)
+            norms = {block: torch.linalg.vector_norm(block.state["mean"]) for block in stats}
+        self._progress.first_mean_norms = {**norms, **self._progress.first_mean_norms}
+        self._progress.mean_norms.update(norms)
         self.load_mean_into_model()
         self.steps_taken += 1
         return mean_loss
+
+    def _divergence_advice(self, grad_scale: float | None) -> str:
+        """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
+        effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
+        what to pass."""
+        growth = {block: float(norm) / max(float(self._progress.first_mean_norms[block]), 1e-12)
+                  for block, norm in self._progress.mean_norms.items() if block in self._progress.first_mean_norms}
+        if not growth:
+            return "No update succeeded before this one"
+        block = max(growth, key=growth.get)
+        names = {id(module): name for name, module in self.model.named_modules()}
+        name = names.get(id(block.module), "?") or "(the model itself)"
+        variance = self._progress.prior_variances[block]
+        rate = self.mean_step * variance * (grad_scale or 1.0)
+        fix = ("pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
+               if not self.implicit_mean else f"pass a smaller mean_step (e.g. mean_step={self.mean_step / 4:g}) "
+               f"or std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
+        return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
+                f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
+                f"terms) was {rate:.3g}; "
+                f"{fix}")
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -411,6 +462,7 @@ class FOOVB(torch.optim.Optimizer):
                          {id(p): i for i, p in enumerate(self.param_groups[0]["params"])},
                          self.generator.get_state())
         extra = state_dict.pop("foovb")
+        state_dict["param_groups"] = [{**LEGACY_FIXED, **group} for group in state_dict["param_groups"]]
         super().load_state_dict(state_dict)
         self.generator.set_state(extra["generator"])
         self.steps_taken = int(extra["steps_taken"])

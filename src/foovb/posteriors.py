@@ -90,10 +90,16 @@ class PosteriorBlock(ABC):
     family: str
     optional_state: tuple[str, ...] = ()  # state entries that appear only after the first update
 
-    def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None):
+    def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None,
+                 implicit_mean: bool = False):
         self.params = tuple(params)
         self.state = state
         self.module = module
+        # The mean step's covariance: False, the prior's V (Algorithm 1: mu <- m - eta V E[g]); True, the updated
+        # Sigma, mu <- m - eta Sigma E[g]: the first-order solution of the implicit Eq. "Gaussian first order
+        # necessary conditions", whose expectation is under the new posterior (docs/theory.md, "The implicit
+        # mean step"). It bounds each step by the curvature it has just measured.
+        self.implicit_mean = implicit_mean
 
     # -- Algorithm 1, step 1 & 2 -----------------------------------------------------------------------
     @property
@@ -122,7 +128,8 @@ class PosteriorBlock(ABC):
     @abstractmethod
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         """UPDATE: one fixed-point iteration from the sums over num_samples draws; mean_step scales E[g] in
-        the mean update, cov_step scales E[g eps^T] in the covariance update (1 and 1 in the paper)."""
+        the mean update, cov_step scales E[g eps^T] in the covariance update (1 and 1 in the paper); the mean
+        step uses the prior's covariance, or the updated one where `implicit_mean` is set."""
 
     # -- the posterior -------------------------------------------------------------------------------------
     @abstractmethod
@@ -165,8 +172,8 @@ class DiagonalBlock(PosteriorBlock):
     optional_state = ("grad_noise_average",)
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
-                 std_growth: str = "paper", cov_momentum: float = 0.0):
-        super().__init__([param], state, module)
+                 std_growth: str = "paper", cov_momentum: float = 0.0, implicit_mean: bool = False):
+        super().__init__([param], state, module, implicit_mean)
         self.std_growth = std_growth
         self.cov_momentum = cov_momentum
         self.std_init = std_init
@@ -203,15 +210,19 @@ class DiagonalBlock(PosteriorBlock):
                 self.state["grad_noise_average"] = grad_noise_mean
             else:
                 grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
-        # mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K);  sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2)
-        # - sigma^2 beta E[g eps] / 2
-        self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
+        # Eq. "diagonal implicit solution": mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K), with the prior's
+        # sigma (Algorithm 4) or the updated one (implicit_mean);
+        # sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
+        if not self.implicit_mean:
+            self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
         if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale(torch.mul(std, grad_noise_mean).abs_()))
         else:
             std.mul_(signed_root_scale(std * grad_noise_mean))
             if self.std_growth == "capped":  # never wider than the initial prior
                 std.clamp_(max=self.std_init)
+        if self.implicit_mean:
+            self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
@@ -235,9 +246,9 @@ class KroneckerBlock(PosteriorBlock):
     family = "kronecker"
 
     def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
-                 init: str):
+                 init: str, implicit_mean: bool = False):
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
-        super().__init__(params, state, module)
+        super().__init__(params, state, module, implicit_mean)
         weight = module.weight
         self.out_features = weight.shape[0]
         self.in_features = weight[0].numel()
@@ -345,10 +356,14 @@ class KroneckerBlock(PosteriorBlock):
         # mean (1/n) Psi A Phi^T (p x p), as in the appendix "Derivation of the fixed-point equations for the matrix
         # variate Gaussian"; Algorithm 3 prints Psi^T A Phi, which has no consistent shape (a typo)
         e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))
-        # M <- M - B B^T E1 A A^T;  A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2)
-        mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
-        self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
-        self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
+        # Eq. "Kronecker-factored necessary conditions": M <- M - eta B B^T E1 A A^T, with the prior's factors
+        # (Algorithm 3) or the updated ones (implicit_mean); A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2)
+        if not self.implicit_mean:
+            mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
+        a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
+        b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
+        if self.implicit_mean:
+            mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
@@ -375,8 +390,8 @@ class FullBlock(PosteriorBlock):
     family = "full"
 
     def __init__(self, params: Sequence[nn.Parameter], state: dict, std_init: float,
-                 module: nn.Module | None = None):
-        super().__init__(params, state, module)
+                 module: nn.Module | None = None, implicit_mean: bool = False):
+        super().__init__(params, state, module, implicit_mean)
         self.sizes = [p.numel() for p in self.params]
         if not state:
             flat = self.params_as_mean()
@@ -405,9 +420,13 @@ class FullBlock(PosteriorBlock):
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a = self.state["sqrt_cov"]
-        # mu <- mu - A A^T E1;  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2)
-        self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
-        self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
+        # Eq. "Gaussian first order necessary conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2)
+        # or the updated one (implicit_mean);  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2)
+        if not self.implicit_mean:
+            self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
+        a = self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
+        if self.implicit_mean:
+            self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])

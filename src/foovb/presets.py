@@ -35,6 +35,15 @@ The arguments of FOOVB:
         sigma never grows (the matrix families' solution). "capped" and "none" are extensions.
     cov_momentum: diagonal family: rho in [0, 1) of an exponential moving average over steps of the
         E[g eps] estimates used by the sigma update (0: the paper; an extension).
+    implicit_mean: the covariance of the mean step. False (the paper, Algorithm 1): the prior's,
+        mu <- m - eta V E[g]; True: the covariance just updated from the same samples, mu <- m - eta Sigma E[g].
+        Eq. "Gaussian first order necessary conditions" takes E[g] under the new posterior q_n; expanding it to
+        first order about m, E_{q_n}[g] = E_{q_{n-1}}[g] + H (mu - m), gives mu - m = -(V^{-1} + H)^{-1} E[g],
+        and (V^{-1} + H)^{-1} is the covariance's fixed point: Sigma. Each step is then bounded by the curvature
+        the step measured (eta Sigma H <= 2 eta / (3 sqrt(3) beta) ~ 0.385 eta / beta per diagonal entry of a
+        quadratic: docs/theory.md),
+        where the prior's V moves a weight by eta V H, unbounded for a prior wide against the likelihood (an
+        extension).
     init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
         "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
         split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
@@ -61,8 +70,8 @@ from .posteriors import FAMILIES
 from .priors import XAVIER
 from .validation import is_boolean, is_integer, is_real
 
-__all__ = ["FAMILY_ONLY", "FIXED", "PRESETS", "check_batch_size", "check_param_group", "check_state_dict",
-           "check_step_sizes", "resolve", "validate"]
+__all__ = ["FAMILY_ONLY", "FIXED", "LEGACY_FIXED", "PRESETS", "check_batch_size", "check_param_group",
+           "check_state_dict", "check_step_sizes", "resolve", "validate"]
 
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
@@ -71,18 +80,21 @@ LOSS_REDUCTIONS = ("auto", "sum", "mean")
 
 # Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
 # (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
-# (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, beta < 1; the model's own weights
-# as the prior mean with each layer's own prior std (std_init="xavier", priors.py). The full family's
+# (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, the mean step with the updated
+# covariance (implicit_mean: bounded by the curvature each step measures, so beta stays the paper's 1 where the
+# prior's covariance needed beta 0.3 / 0.1); the model's own weights as the prior mean with each layer's own prior
+# std (std_init="xavier", priors.py). Chosen on the tuning half of benchmarks/robustness_grid.py. The full family's
 # recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
-          "std_growth": "paper", "cov_momentum": 0.0, "init": "paper", "max_full_params": 4096}
+          "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "init": "paper",
+          "max_full_params": 4096}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
-        "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.3, "antithetic": True, "std_growth": "none",
+        "diagonal": {**_PAPER, "mean_step": 0.7, "antithetic": True, "std_growth": "none", "implicit_mean": True,
                      "init": "keep", "std_init": XAVIER},
-        "kronecker": {**_PAPER, "cov_step": 0.1, "antithetic": True, "std_growth": "none", "init": "keep",
+        "kronecker": {**_PAPER, "antithetic": True, "std_growth": "none", "implicit_mean": True, "init": "keep",
                       "std_init": XAVIER},
-        "full": {**_PAPER, "antithetic": True, "init": "keep", "std_init": XAVIER},
+        "full": {**_PAPER, "antithetic": True, "implicit_mean": True, "init": "keep", "std_init": XAVIER},
     },
     "paper": {family: dict(_PAPER) for family in FAMILIES},
 }
@@ -92,7 +104,10 @@ FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "alph
                "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
-FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum")
+FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",
+         "implicit_mean")
+# The value of a FIXED setting in a state dict saved before the setting existed
+LEGACY_FIXED = {"implicit_mean": False}
 
 
 def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
@@ -107,7 +122,7 @@ def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str]
 
 def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
               mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
-              init: object, max_full_params: object) -> None:
+              implicit_mean: object, init: object, max_full_params: object) -> None:
     """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
     if not is_integer(mc_samples) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
@@ -123,8 +138,9 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    if not is_boolean(antithetic):
-        raise ValueError(f"antithetic must be True or False, got {antithetic!r}")
+    for name, value in (("antithetic", antithetic), ("implicit_mean", implicit_mean)):
+        if not is_boolean(value):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     if antithetic and mc_samples % 2:
         raise ValueError(f"antithetic sampling (on in the recommended preset) pairs the samples: mc_samples must be "
                          f"even, got {mc_samples}; pass antithetic=False for an odd K")
@@ -173,8 +189,8 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
         raise ValueError(f"a FOOVB state dict has one parameter group, this one has {len(groups)}")
     if len(groups[0]["params"]) != num_params:
         raise ValueError("the state dict was saved for a model with another number of trainable parameters")
-    changed = {key: (groups[0].get(key), value) for key, value in fixed.items()
-               if groups[0].get(key) != value}
+    changed = {key: (groups[0].get(key, LEGACY_FIXED.get(key)), value) for key, value in fixed.items()
+               if groups[0].get(key, LEGACY_FIXED.get(key)) != value}
     if changed:
         details = ", ".join(f"{key}: saved {saved!r}, here {here!r}" for key, (saved, here) in changed.items())
         raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); "

@@ -104,7 +104,7 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
     tensors diagonal) or per module (full), its state in the optimizer's per-parameter `state`; the means are
     the parameters' current values (the matrix-variate blocks draw theirs when init is not "keep")."""
     std_init, alpha, init = settings["std_init"], settings["alpha"], settings["init"]
-    max_full_params = settings["max_full_params"]
+    max_full_params, implicit_mean = settings["max_full_params"], settings["implicit_mean"]
     blocks: list[PosteriorBlock] = []
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -124,7 +124,7 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                 and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
             if module.bias is not None and not module.bias.requires_grad:
                 raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
-            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init))
+            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init, implicit_mean))
         elif posterior == "full":
             size = sum(p.numel() for p in direct)
             if size > max_full_params:
@@ -136,10 +136,11 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                     "raise max_full_params"
                 )
             blocks.append(FullBlock(direct, state[direct[0]],
-                                    module_std or initial_std(std_init, direct[0], module), module))
+                                    module_std or initial_std(std_init, direct[0], module), module, implicit_mean))
         else:
             blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
-                                        settings["std_growth"], settings["cov_momentum"]) for p in direct)
+                                        settings["std_growth"], settings["cov_momentum"], implicit_mean)
+                          for p in direct)
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None \
                 and module.weight.requires_grad:
             table_block = next(b for b in blocks if any(p is module.weight for p in b.params))

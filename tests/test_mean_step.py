@@ -1,0 +1,150 @@
+"""The mean step's covariance (implicit_mean, foovb/posteriors.py): the prior's (Algorithm 1) or the one just updated
+from the same samples. Checked against closed forms on quadratic losses, where antithetic pairs make E[g] exact and
+E[g eps] = sigma H for a diagonal curvature H."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from foovb import FOOVB
+
+
+def quadratic_step(curvature: torch.Tensor, target: torch.Tensor, implicit_mean: bool, steps: int = 1,
+                   std_init: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0) -> tuple[FOOVB, nn.Linear]:
+    """A bias-free Linear(d, 1) whose weight w has the summed loss sum_i c_i (w_i - t_i)^2 / 2 (diagonal curvature)."""
+    layer = nn.Linear(len(curvature), 1, bias=False)
+    with torch.no_grad():
+        layer.weight.zero_()
+    opt = FOOVB(layer, mc_samples=2, std_init=std_init, mean_step=mean_step, cov_step=cov_step, antithetic=True,
+                std_growth="none", implicit_mean=implicit_mean, loss_reduction="sum", seed=0)
+
+    def closure() -> torch.Tensor:
+        loss = (0.5 * curvature * (layer.weight[0] - target).square()).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        opt.step(closure)
+    return opt, layer
+
+
+@pytest.mark.parametrize("implicit_mean", [False, True])
+def test_one_step_on_a_quadratic_is_the_closed_form(implicit_mean):
+    curvature = torch.tensor([0.5, 4.0, 40.0, 400.0])
+    target = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    opt, layer = quadratic_step(curvature, target, implicit_mean)
+    grad = curvature * (0 - target)  # E[g]: exact with antithetic pairs on a quadratic
+    prior_std = torch.full_like(curvature, 0.5)
+    new_std = opt.posterior(layer.weight).std[0]  # Lemma 2's root of sigma E[g eps] = sigma^2 c eps^2 (K = 2)
+    assert bool(((new_std > 0) & (new_std < prior_std)).all())
+    step_std = new_std if implicit_mean else prior_std
+    torch.testing.assert_close(layer.weight[0].detach(), -step_std.square() * grad)
+
+
+def test_the_implicit_step_is_bounded_by_the_measured_curvature_where_the_paper_step_overshoots():
+    """eta Sigma_new H <= 2 eta / (3 sqrt(3) beta) per diagonal entry: a prior wide against the likelihood cannot
+    overshoot, however large the curvature, where the prior's V moves the weight by eta V H times its distance."""
+    curvature = torch.tensor([1e2, 1e4, 1e6])
+    target = torch.ones(3)
+    _, explicit = quadratic_step(curvature, target, implicit_mean=False)
+    _, implicit = quadratic_step(curvature, target, implicit_mean=True)
+    bound = 2 / (3 * math.sqrt(3))
+    assert (explicit.weight[0].detach() - target).abs().min() > 20  # overshot by eta V H = 25 .. 250,000 times
+    move = implicit.weight[0].detach()  # from 0 towards 1: a fraction of the distance, at most the bound
+    assert bool(((move > 0) & (move <= bound + 1e-6)).all())
+
+
+def test_the_implicit_step_approaches_a_stiff_quadratic_where_the_paper_step_overshoots():
+    curvature = torch.tensor([1.0, 50.0, 5000.0])
+    target = torch.tensor([0.3, -0.7, 0.2])
+    distance = target.abs()
+    for steps in (1, 10, 200):  # every entry moves towards its target, never past it
+        _, implicit = quadratic_step(curvature, target, implicit_mean=True, steps=steps)
+        error = (implicit.weight[0].detach() - target).abs()
+        assert bool((error < distance).all())
+        distance = error
+    assert error.max() < 0.6 * target.abs().max()
+    # the prior's V throws the stiff entry 1249 times its distance past the target at the first step; its sigma has
+    # collapsed by then, and it stays there
+    _, explicit = quadratic_step(curvature, target, implicit_mean=False, steps=200)
+    assert (explicit.weight[0, 2].detach() - target[2]).abs() > 100
+
+
+@pytest.mark.parametrize("posterior", ["kronecker", "full"])
+def test_the_matrix_families_step_with_the_updated_factors(posterior):
+    """M <- M - eta Sigma_out' E[g] Sigma_in' (kronecker) or mu <- mu - eta Sigma' E[g] (full), Sigma' the updated
+    covariance: checked on a linear least-squares layer, where E[g] is the gradient at the mean (antithetic)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    x, y = torch.randn(32, 5), torch.randn(32, 3)
+    opt = FOOVB(layer, posterior, mc_samples=4, implicit_mean=True, mean_step=0.8, loss_reduction="sum", seed=1)
+    mean_before = [p.detach().clone() for p in layer.parameters()]
+    grad = torch.autograd.grad(0.5 * (layer(x) - y).square().sum(), list(layer.parameters()))
+
+    def closure() -> torch.Tensor:
+        loss = 0.5 * (layer(x) - y).square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    (block,) = opt.blocks
+    if posterior == "kronecker":
+        a, b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
+        e1 = torch.cat([grad[0], grad[1][:, None]], 1)
+        step = block.split(b @ b.T @ e1 @ a @ a.T)
+    else:
+        a = block.state["sqrt_cov"]
+        step = block.split(a @ a.T @ torch.cat([g.flatten() for g in grad]))
+    for param, before, delta in zip(layer.parameters(), mean_before, step, strict=True):
+        torch.testing.assert_close(param.detach(), before - 0.8 * delta, atol=1e-5, rtol=1e-4)
+
+
+def test_implicit_mean_is_validated_fixed_and_read_from_legacy_state_dicts():
+    layer = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="implicit_mean must be True or False"):
+        FOOVB(layer, implicit_mean="yes")
+    saved = FOOVB(layer, implicit_mean=False).state_dict()
+    del saved["param_groups"][0]["implicit_mean"]  # a state dict saved before the setting existed
+    FOOVB(layer, implicit_mean=False).load_state_dict(saved)
+    with pytest.raises(ValueError, match="implicit_mean: saved False, here True"):
+        FOOVB(layer, implicit_mean=True).load_state_dict(saved)
+    opt = FOOVB(layer, implicit_mean=True)
+    opt.param_groups[0]["implicit_mean"] = False
+    with pytest.raises(ValueError, match="implicit_mean"):
+        opt.step(lambda: layer(torch.randn(4, 3)).square().mean().backward())
+
+
+def test_a_divergence_names_the_layer_its_effective_rate_and_the_fix():
+    """The issue's 20-8-20 autoencoder with the prior's covariance in the mean step (the previous default) overflows
+    within a few steps; the error names the layer that moved most, its effective learning rate and what to pass.
+    With the default (implicit_mean) the same run trains."""
+    torch.manual_seed(0)
+    data = torch.randn(256, 20)
+
+    def train(**settings) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 20))
+        opt = FOOVB(model, seed=0, **settings)
+        losses = []
+        for i in range(100):
+            batch = data[(i * 64) % 256:(i * 64) % 256 + 64]
+
+            def closure(batch: torch.Tensor = batch, model: nn.Module = model) -> torch.Tensor:
+                loss = nn.functional.mse_loss(model(batch), batch)
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure))
+        return losses
+
+    with pytest.raises(FloatingPointError) as error:
+        train(implicit_mean=False, cov_step=0.3)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "Layer '0'" in message or "Layer '2'" in message
+    assert "first effective learning rate on the loss" in message and "1280 terms" in message
+    assert "pass implicit_mean=True" in message
+    losses = train()
+    assert losses[-1] < 0.5 * losses[0]
