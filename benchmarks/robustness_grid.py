@@ -1,7 +1,7 @@
 """Does `FOOVB(model)` hold where nobody tuned it? A grid of models, streams and batch sizes, each cell against SGD
 and Adam at their best of three learning rates for that cell.
 
-Cells: a model kind on a stream that fits it, at batch 16, 64 and 256 (57 cells):
+Cells: a model kind on a stream that fits it, at batch 16, 64 and 256 (63 cells):
 
 * models: the paper's 784-100-100-10 MLP (`mlp`), a narrow 784-20-20-10 MLP (`narrow`), an MLP with LayerNorm
   (`ln_mlp`), a small CNN (`cnn`), the same with BatchNorm (`bn_cnn`), the paper's vision-mix LeNet (`lenet`), a GRU

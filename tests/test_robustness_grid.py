@@ -1,0 +1,59 @@
+"""benchmarks/robustness_grid.py: its cells, the fixed held-out rule, one run's record, divergence and the summary."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "robustness_grid.py"
+spec = importlib.util.spec_from_file_location("robustness_grid", PATH)
+grid = importlib.util.module_from_spec(spec)
+sys.modules["robustness_grid"] = grid
+spec.loader.exec_module(grid)
+
+
+def test_the_grid_spans_models_streams_and_batch_sizes_and_splits_by_a_fixed_rule():
+    cells = grid.cell_names()
+    assert len(cells) >= 48 and len(set(cells)) == len(cells)
+    assert len(grid.MODEL_STREAMS) >= 7
+    assert {cell.split("/")[2] for cell in cells} == {"16", "64", "256"}
+    assert {"permuted", "rotated", "fashion", "split", "iid", "drift"} <= {cell.split("/")[1] for cell in cells}
+    halves = [grid.half_of(cell) for cell in cells]
+    assert 0.35 < halves.count("tuning") / len(cells) < 0.65
+    assert grid.half_of("mlp/permuted/16") == "tuning" and grid.half_of("mlp/permuted/64") == "heldout"
+    assert set(grid.QUICK_CELLS) <= set(cells)
+
+
+def job(learner: str, cell: str = "regression/iid/256", **candidate) -> dict:
+    return {"cell": cell, "learner": learner, "tag": "t", "seed": 0, "examples": 256, "data_dir": None,
+            "candidate": {"diagonal": candidate, "kronecker": candidate}}
+
+
+def test_a_run_records_its_metrics_and_a_failure_is_a_divergence():
+    record = grid.run_one(job("foovb_diagonal"))
+    assert not record["diverged"] and record["error_metric"] and len(record["tasks"]) == 1
+    assert math.isfinite(record["tasks"][0]) and record["loss_first"] > 0
+    broken = grid.run_one(job("foovb_diagonal", mc_samples=3))  # antithetic pairs need an even K: a ValueError
+    assert broken["diverged"] and broken["reason"].startswith("ValueError") and math.isnan(broken["tasks"][0])
+
+
+def test_the_summary_compares_with_the_best_learning_rate_of_each_baseline():
+    def record(learner, tag, tasks, diverged=False):
+        return {"cell": "mlp/permuted/16", "learner": learner, "tag": tag, "seed": 0, "examples": 1,
+                "error_metric": False, "diverged": diverged, "tasks": tasks}
+
+    records = [record(f"sgd_{lr:g}", "baseline", [50.0 + i, 40.0, 30.0]) for i, lr in enumerate(grid.SGD_LRS)]
+    records += [record(f"adam_{lr:g}", "baseline", [20.0, 80.0, 90.0 - i]) for i, lr in enumerate(grid.ADAM_LRS)]
+    records += [record("foovb_diagonal", "x", [75.0, 70.0, 65.0]),
+                record("foovb_kronecker", "x", [math.nan] * 3, diverged=True)]
+    row = grid.cell_summary(records, "mlp/permuted/16", "x")
+    assert row["sgd_lr"] == 0.1 and row["adam_lr"] == 3e-4  # by the average over tasks
+    assert row["best_baseline_average"] == pytest.approx(190 / 3)  # Adam 3e-4: (20 + 80 + 90) / 3
+    assert row["best_baseline_first"] == 52.0  # SGD 0.1's first task
+    assert row["diagonal_average_vs_best"] == pytest.approx(70 - 190 / 3)
+    assert row["diagonal_first_vs_best"] == pytest.approx(23.0)
+    assert row["kronecker_diverged"] and row["kronecker_average"] == 0.0  # a diverged run counts as chance or worse
+    lines = grid.targets([row], "kronecker")
+    assert "diverged in 1" in lines[0]
