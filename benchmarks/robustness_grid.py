@@ -536,7 +536,7 @@ def main() -> None:
                 if key_of(job) not in done:
                     jobs.append(job)
     settings_path = out / f"candidate_{args.tag}.json"
-    if jobs and any(j["tag"] == args.tag for j in jobs):
+    if jobs and not args.summary_only and any(j["tag"] == args.tag for j in jobs):
         if settings_path.exists() and json.loads(settings_path.read_text()) != candidate:
             parser.error(f"tag {args.tag!r} was run with other settings ({settings_path}); choose another --tag")
         settings_path.write_text(json.dumps(candidate))
