@@ -2,6 +2,9 @@
 1-64-64-1 tanh regression net, a 20-8-20 autoencoder (a mean over 20 outputs per row) and a Gaussian-NLL head. The
 bars are the shared default cases' (../shared/checks/default_cases.py); the previous default fails each of them."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,34 +12,22 @@ from torch import nn
 
 from foovb import FOOVB
 
+_spec = importlib.util.spec_from_file_location(
+    "small_models", Path(__file__).resolve().parents[1] / "benchmarks" / "small_models.py")
+small_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(small_models)
+sine_data = small_models.sine
+
+
+def fit(model: nn.Module, make_optimizer, loss_fn, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int) -> None:
+    small_models.train(model, make_optimizer(model), loss_fn, x, y, epochs, batch)
+
+
 pytestmark = pytest.mark.slow
 
 FAMILIES = ("diagonal", "kronecker")
 PREVIOUS_DEFAULT = {"diagonal": {"implicit_mean": False, "cov_step": 0.3},
                     "kronecker": {"implicit_mean": False, "cov_step": 0.1}}
-
-
-def sine_data() -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    x = torch.rand(512, 1) * 4 - 2
-    return x, torch.sin(x) + 0.1 * torch.randn(512, 1)
-
-
-def fit(model: nn.Module, make_optimizer, loss_fn, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int) -> None:
-    opt = make_optimizer(model)
-    order = torch.Generator().manual_seed(0)
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=order)
-        for start in range(0, len(x), batch):
-            rows = perm[start:start + batch]
-
-            def closure(rows: torch.Tensor = rows) -> torch.Tensor:
-                opt.zero_grad()
-                loss = loss_fn(model(x[rows]), y[rows])
-                loss.backward()
-                return loss
-
-            opt.step(closure)
 
 
 def sine_net() -> nn.Module:
