@@ -26,17 +26,20 @@ def test_the_grid_spans_models_streams_and_batch_sizes_and_splits_by_a_fixed_rul
     assert set(grid.QUICK_CELLS) <= set(cells)
 
 
-def job(learner: str, cell: str = "regression/iid/256", **candidate) -> dict:
+def job(learner: str, cell: str = "regression/iid/64", **candidate) -> dict:
     return {"cell": cell, "learner": learner, "tag": "t", "seed": 0, "examples": 256, "data_dir": None,
             "candidate": {"diagonal": candidate, "kronecker": candidate}}
 
 
 def test_a_run_records_its_metrics_and_a_failure_is_a_divergence():
-    record = grid.run_one(job("foovb_diagonal"))
+    record = grid.run_one(job("foovb_kronecker"))
     assert not record["diverged"] and record["error_metric"] and len(record["tasks"]) == 1
-    assert math.isfinite(record["tasks"][0]) and record["loss_first"] > 0
+    assert math.isfinite(record["tasks"][0]) and record["loss_last"] < record["loss_first"]
     broken = grid.run_one(job("foovb_diagonal", mc_samples=3))  # antithetic pairs need an even K: a ValueError
     assert broken["diverged"] and broken["reason"].startswith("ValueError") and math.isnan(broken["tasks"][0])
+    # the previous default's first steps on the regression net at batch 256: finite, but the loss grows 10,000-fold
+    grown = grid.run_one(job("foovb_diagonal", "regression/iid/256", implicit_mean=False, cov_step=0.3))
+    assert grown["diverged"] and "training loss grew" in grown["reason"]
 
 
 def test_the_summary_compares_with_the_best_learning_rate_of_each_baseline():
