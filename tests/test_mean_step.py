@@ -148,3 +148,63 @@ def test_a_divergence_names_the_layer_its_effective_rate_and_the_fix():
     assert "pass implicit_mean=True" in message
     losses = train()
     assert losses[-1] < 0.5 * losses[0]
+
+
+def rank_one_step(curvature_damping: bool, steps: int, rows: int = 1, mean: bool = False):
+    """A bias-free Linear(50, 1) whose weight has the loss c/2 (a.w - t)^2 per row, a = ones: a rank-one Hessian
+    c a a^T, the coupling of 50 weights that see the same input, which mean field sees as 50 curvatures c."""
+    torch.manual_seed(0)
+    layer = nn.Linear(50, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.zero_()
+    opt = FOOVB(layer, mc_samples=4, std_init=0.5, cov_step=0.3, curvature_damping=curvature_damping,
+                loss_reduction="auto" if mean else "sum", seed=0)
+    inputs = torch.ones(rows, 50)
+
+    def closure() -> torch.Tensor:
+        per_row = 0.5 * 2.0 * (layer(inputs)[:, 0] - 1.0).square()
+        loss = per_row.mean() if mean else per_row.sum()
+        loss.backward()
+        return loss
+
+    errors = []
+    for _ in range(steps):
+        before = layer.weight.detach().clone()
+        opt.step(closure)
+        errors.append(abs(float(layer.weight.detach().sum()) - 1.0))
+    return opt, layer, before, errors
+
+
+def test_curvature_damping_bounds_the_step_by_the_coupled_curvature():
+    """With a rank-one Hessian the Rayleigh quotient is its largest eigenvalue: the damped step is the implicit step
+    times min(1, 1 / (eta lambda_max(sigma' H sigma'))), lambda_max = c ||sigma'||^2, exactly."""
+    opt, layer, before, _ = rank_one_step(True, steps=1)
+    std = opt.posterior(layer.weight).std[0]
+    grad = 2.0 * (before.sum() - 1.0) * torch.ones(50)  # E[g]: exact with antithetic pairs on a quadratic
+    eta = opt.mean_step
+    damping = min(1.0, 1.0 / (eta * 2.0 * float(std.square().sum())))
+    assert damping < 0.1  # the coupling is 50 times what each weight's own curvature says
+    torch.testing.assert_close(layer.weight[0].detach(), before[0] - eta * damping * std.square() * grad)
+
+
+def test_curvature_damping_converges_where_mean_field_overshoots():
+    _, _, _, undamped = rank_one_step(False, steps=30)
+    _, _, _, damped = rank_one_step(True, steps=30)
+    assert undamped[0] > 1.0  # the first step throws a.w past the target by more than its distance
+    assert all(later <= earlier + 1e-6 for earlier, later in zip(damped, damped[1:], strict=False))
+    assert damped[-1] < 0.05 and damped[0] < 1.0
+
+
+def test_curvature_damping_reads_a_mean_loss_as_its_sum():
+    """The sum of squared gradients scales with the square of the loss's rescaling: 8 rows as a mean give the sum's
+    update."""
+    _, summed, _, _ = rank_one_step(True, steps=3, rows=8)
+    _, averaged, _, _ = rank_one_step(True, steps=3, rows=8, mean=True)
+    torch.testing.assert_close(averaged.weight, summed.weight)
+
+
+def test_curvature_damping_needs_the_diagonal_family_and_the_implicit_step():
+    with pytest.raises(ValueError, match="diagonal family only"):
+        FOOVB(nn.Linear(3, 2), "kronecker", curvature_damping=True)
+    with pytest.raises(ValueError, match="needs implicit_mean=True"):
+        FOOVB(nn.Linear(3, 2), curvature_damping=True, implicit_mean=False)

@@ -176,6 +176,10 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
     _require_initialized("foovb.distributed.distribute")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "data" and optimizer.curvature_damping:
+        raise ValueError("mode='data' cannot sum the squared per-sample gradients that curvature_damping reads (each "
+                         "process has a shard of the batch): build the optimizer with curvature_damping=False, or "
+                         "use mode='mc'")
     if mode == "data" and optimizer.loss_reduction == "mean":
         raise ValueError("mode='data' needs loss_reduction 'auto' or 'sum': with 'mean' each process's loss would be "
                          "the mean over its own shard, and the shards' statistics could not be summed")

@@ -359,10 +359,12 @@ class Step:
 
 
 def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
-    """Multiply every block's Monte Carlo sums by `factor` (in place where they are tensors)."""
-    for block_stats in stats.values():
+    """Rescale every block's Monte Carlo sums for gradients multiplied by `factor` (in place where they are
+    tensors): by factor ** the sum's power in the gradients (`PosteriorBlock.statistic_powers`, 1 by default)."""
+    for block, block_stats in stats.items():
         for key, value in block_stats.items():
-            block_stats[key] = value.scaled(factor) if isinstance(value, LowRank) else value.mul_(factor)
+            scale = factor ** block.statistic_powers.get(key, 1)
+            block_stats[key] = value.scaled(scale) if isinstance(value, LowRank) else value.mul_(scale)
 
 
 def _norms(tensors: list[Tensor]) -> list[Tensor]:

@@ -115,6 +115,8 @@ class FOOVB(torch.optim.Optimizer):
         implicit_mean: the mean step with the updated covariance, mu <- mu - eta Sigma_new E[g] (the first-order
             solution of the implicit mean equation; each step bounded by the curvature it measured), or with the
             prior's as Algorithm 1 (False).
+        curvature_damping: diagonal family: damp each block's implicit mean step where its samples show strongly
+            coupled curvature (`foovb.presets`).
         max_full_params: full family: the largest block.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
@@ -135,6 +137,7 @@ class FOOVB(torch.optim.Optimizer):
         std_growth: str | None = None,
         cov_momentum: float | None = None,
         implicit_mean: bool | None = None,
+        curvature_damping: bool | None = None,
         init: str | None = None,
         max_full_params: int | None = None,
         loss_reduction: str = "auto",
@@ -144,8 +147,8 @@ class FOOVB(torch.optim.Optimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
-            std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean, init=init,
-            max_full_params=max_full_params))
+            std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,
+            curvature_damping=curvature_damping, init=init, max_full_params=max_full_params))
         validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -156,7 +159,8 @@ class FOOVB(torch.optim.Optimizer):
                         alpha=float(settings["alpha"]), lr=float(settings["mean_step"]),
                         cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
                         antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
-                        cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]))
+                        cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
+                        curvature_damping=bool(settings["curvature_damping"]))
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
@@ -187,6 +191,8 @@ class FOOVB(torch.optim.Optimizer):
     std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
     cov_momentum = _fixed_setting("cov_momentum", "rho of the diagonal family's average of E[g eps] over steps.")
     implicit_mean = _fixed_setting("implicit_mean", "Whether the mean step uses the updated covariance.")
+    curvature_damping = _fixed_setting("curvature_damping", "Whether the diagonal mean step is damped by the "
+                                       "curvature its samples measured.")
     @property
     def sample_shard(self) -> range:
         """The sample indices this process evaluates: all, or its share under MC-parallel training."""

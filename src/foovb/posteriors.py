@@ -89,6 +89,9 @@ class PosteriorBlock(ABC):
 
     family: str
     optional_state: tuple[str, ...] = ()  # state entries that appear only after the first update
+    # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
+    # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
+    statistic_powers: dict[str, int] = {}
 
     def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None,
                  implicit_mean: bool = False):
@@ -172,10 +175,14 @@ class DiagonalBlock(PosteriorBlock):
     optional_state = ("grad_noise_average",)
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
-                 std_growth: str = "paper", cov_momentum: float = 0.0, implicit_mean: bool = False):
+                 std_growth: str = "paper", cov_momentum: float = 0.0, implicit_mean: bool = False,
+                 curvature_damping: bool = False):
         super().__init__([param], state, module, implicit_mean)
         self.std_growth = std_growth
         self.cov_momentum = cov_momentum
+        self.curvature_damping = curvature_damping
+        if curvature_damping:
+            self.statistic_powers = {"grad_square_sum": 2, "noise_sum": 0}
         self.std_init = std_init
         if not state:
             state["mean"] = param.detach().clone()
@@ -193,16 +200,43 @@ class DiagonalBlock(PosteriorBlock):
 
     def new_statistics(self) -> dict:
         zeros = torch.zeros_like(self.state["mean"])
-        return {"grad_sum": zeros, "grad_noise_sum": zeros.clone()}
+        stats = {"grad_sum": zeros, "grad_noise_sum": zeros.clone()}
+        if self.curvature_damping:
+            stats.update(grad_square_sum=zeros.clone(), noise_sum=zeros.clone())
+        return stats
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         (grad,) = grads
         for k in range(len(grad)):  # in place: much faster than einsum (or a sum); indexing, cheaper than unbind
             stats["grad_sum"].add_(grad[k])
             stats["grad_noise_sum"].addcmul_(grad[k], noise[k])
+            if self.curvature_damping:
+                stats["grad_square_sum"].addcmul_(grad[k], grad[k])
+                stats["noise_sum"].add_(noise[k])
+
+    def curvature_spread(self, stats: dict, num_samples: int) -> tuple[Tensor, Tensor]:
+        """(sum_k (sigma eps_k) . (g_k - E[g]), sum_k (g_k - E[g])^2 elementwise) from the step's sums: on a quadratic
+        g_k - E[g] = H sigma eps_k, so the first is sum_k (sigma eps_k)^T H (sigma eps_k)."""
+        grad_mean = stats["grad_sum"] / num_samples
+        curvature = (self.state["std"] * (stats["grad_noise_sum"] - stats["noise_sum"] * grad_mean)).sum()
+        spread = (stats["grad_square_sum"] - num_samples * grad_mean.square()).clamp_min_(0)
+        return curvature, spread
+
+    def damping(self, curvature: Tensor, spread: Tensor, mean_step: float) -> Tensor:
+        """The factor t = min(1, 1 / (eta rho)) of the mean step (`curvature_damping`), rho = sum_k ||sigma'
+        (g_k - E[g])||^2 / sum_k (sigma eps_k) . (g_k - E[g]), sigma' the updated std. With g_k - E[g] = H sigma eps_k
+        it is ||P w||^2 / w^T P w for P = sigma' H sigma' and w = (sigma / sigma') eps: a Rayleigh quotient of P, at
+        most its largest eigenvalue and equal to it when H is rank one, as in a layer whose inputs share a large
+        mean; the per-weight bound of the implicit mean step does not see that coupling (docs/theory.md). 1 where
+        the samples show no positive curvature."""
+        rho = (self.state["std"].square() * spread).sum() / curvature.clamp_min(torch.finfo(curvature.dtype).tiny)
+        damped = (1.0 / (mean_step * rho)).clamp(max=1.0) if mean_step else torch.ones_like(rho)
+        return torch.where(curvature > 0, damped, torch.ones_like(rho))
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         std = self.state["std"]
+        if self.curvature_damping:  # read before the sums are scaled in place, with the prior's sigma
+            curvature, spread = self.curvature_spread(stats, num_samples)
         grad_noise_mean = stats["grad_noise_sum"].mul_(cov_step / num_samples)  # beta E2 (the step's own sums)
         if self.cov_momentum:  # beta E2 averaged over steps, m <- rho m + (1 - rho) beta E2, from the first one
             average = self.state.get("grad_noise_average")
@@ -222,7 +256,10 @@ class DiagonalBlock(PosteriorBlock):
             if self.std_growth == "capped":  # never wider than the initial prior
                 std.clamp_(max=self.std_init)
         if self.implicit_mean:
-            self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
+            variance = std.square()
+            if self.curvature_damping:
+                variance.mul_(self.damping(curvature, spread, mean_step))
+            self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]

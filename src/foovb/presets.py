@@ -44,6 +44,11 @@ The arguments of FOOVB:
         quadratic: docs/theory.md),
         where the prior's V moves a weight by eta V H, unbounded for a prior wide against the likelihood (an
         extension).
+    curvature_damping: diagonal family, with implicit_mean: scale each block's mean step by min(1, 1 / (eta rho)),
+        rho a Rayleigh quotient of sigma' H sigma' estimated from the step's samples (sum_k ||sigma' (g_k - E[g])||^2
+        over sum_k (sigma eps_k) . (g_k - E[g])), which sees the coupling between the weights of a block that mean
+        field misses (inputs with a large common mean make H nearly rank one). Costs one more running sum per
+        parameter; refused in data-parallel training, whose shards cannot sum squared gradients (an extension).
     init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
         "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
         split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
@@ -89,8 +94,8 @@ LOSS_REDUCTIONS = ("auto", "sum", "mean")
 # (std_init="xavier", priors.py). docs/results.md, "A default that holds". The full family's
 # recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
-          "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "init": "paper",
-          "max_full_params": 4096}
+          "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "curvature_damping": False,
+          "init": "paper", "max_full_params": 4096}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
         "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.5, "antithetic": True, "std_growth": "none",
@@ -103,14 +108,15 @@ PRESETS: dict[str, dict[str, dict]] = {
 }
 # Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
 # preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
-FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "alpha": ("kronecker",),
+FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "curvature_damping": ("diagonal",),
+               "alpha": ("kronecker",),
                "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",
-         "implicit_mean")
+         "implicit_mean", "curvature_damping")
 # The value of a FIXED setting in a state dict saved before the setting existed
-LEGACY_FIXED = {"implicit_mean": False}
+LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False}
 
 
 def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
@@ -125,7 +131,7 @@ def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str]
 
 def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
               mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
-              implicit_mean: object, init: object, max_full_params: object) -> None:
+              implicit_mean: object, curvature_damping: object, init: object, max_full_params: object) -> None:
     """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
     if not is_integer(mc_samples) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
@@ -141,9 +147,12 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    for name, value in (("antithetic", antithetic), ("implicit_mean", implicit_mean)):
+    for name, value in (("antithetic", antithetic), ("implicit_mean", implicit_mean),
+                        ("curvature_damping", curvature_damping)):
         if not is_boolean(value):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+    if curvature_damping and not implicit_mean:
+        raise ValueError("curvature_damping damps the implicit mean step: it needs implicit_mean=True")
     if antithetic and mc_samples % 2:
         raise ValueError(f"antithetic sampling (on in the recommended preset) pairs the samples: mc_samples must be "
                          f"even, got {mc_samples}; pass antithetic=False for an odd K")

@@ -139,7 +139,8 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                                     module_std or initial_std(std_init, direct[0], module), module, implicit_mean))
         else:
             blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
-                                        settings["std_growth"], settings["cov_momentum"], implicit_mean)
+                                        settings["std_growth"], settings["cov_momentum"], implicit_mean,
+                                        settings["curvature_damping"] and posterior == "diagonal")
                           for p in direct)
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None \
                 and module.weight.requires_grad:
