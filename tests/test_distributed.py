@@ -617,6 +617,10 @@ def test_invalid_modes_raise(tmp_path: Path) -> None:
             distribute(FOOVB(mlp(), "diagonal", K, seed=7, loss_reduction="mean", preset="paper"), "data")
         with pytest.raises(ValueError, match="mode must be one of"):
             distribute(FOOVB(mlp(), "diagonal", K, seed=7, **PAPER), "pipeline")
+        damped = FOOVB(mlp(), "diagonal", 4, seed=7, curvature_damping=True)
+        with pytest.raises(ValueError, match="cannot sum the squared per-sample gradients"):
+            distribute(damped, "data")
+        assert damped.statistics_reducer is None
         with pytest.raises(ValueError, match="different numbers of rows"):
             shard_batch(torch.zeros(4, 2), torch.zeros(3))
     finally:
