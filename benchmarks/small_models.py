@@ -41,7 +41,8 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, loss_fn, x: torch.Tensor
                 loss.backward()
                 return loss
 
-            losses.append(float(opt.step(closure)))
+            loss = opt.step(closure)  # torch optimizers return the closure's tensor, FOOVB a float
+            losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
     return losses
 
 
