@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -366,7 +366,7 @@ class FOOVB(torch.optim.Optimizer):
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
             if isinstance(error, FloatingPointError) and self.steps_taken:
-                raise FloatingPointError(f"{error}. {self._divergence_advice(pending.grad_scale)}") from error
+                raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
         pending.running.average()
         return mean_loss
@@ -396,40 +396,13 @@ class FOOVB(torch.optim.Optimizer):
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float,
                       num_samples: int, step_seed: int) -> float:
         """UPDATE every block the step trains (`engine.apply_update`), then load the new mean into the model."""
-        for block in stats:  # the prior's mean variance of a block, read once (for a divergence's advice)
-            if block not in self._progress.prior_variances:
-                self._progress.prior_variances[block] = float(torch.stack(
-                    [block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
+        _record_prior_variances(self._progress, stats)
         mean_loss = apply_update(stats, losses, loss_rows, num_samples, self.mean_step, self.cov_step,
                                  self.statistics_reducer, self.steps_taken, self.std_growth, step_seed)
-        with torch.no_grad():  # each block's mean norm, for a divergence's advice (no synchronisation here)
-            norms = {block: torch.linalg.vector_norm(block.state["mean"]) for block in stats}
-        self._progress.first_mean_norms = {**norms, **self._progress.first_mean_norms}
-        self._progress.mean_norms.update(norms)
+        _record_mean_norms(self._progress, stats)
         self.load_mean_into_model()
         self.steps_taken += 1
         return mean_loss
-
-    def _divergence_advice(self, grad_scale: float | None) -> str:
-        """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
-        effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
-        what to pass."""
-        growth = {block: float(norm) / max(float(self._progress.first_mean_norms[block]), 1e-12)
-                  for block, norm in self._progress.mean_norms.items() if block in self._progress.first_mean_norms}
-        if not growth:
-            return "No update succeeded before this one"
-        block = max(growth, key=growth.get)
-        names = {id(module): name for name, module in self.model.named_modules()}
-        name = names.get(id(block.module), "?") or "(the model itself)"
-        variance = self._progress.prior_variances[block]
-        rate = self.mean_step * variance * (grad_scale or 1.0)
-        fix = ("pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
-               if not self.implicit_mean else f"pass a smaller mean_step (e.g. mean_step={self.mean_step / 4:g}) "
-               f"or std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
-        return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
-                f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
-                f"terms) was {rate:.3g}; "
-                f"{fix}")
 
     # -- persistence -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -478,3 +451,44 @@ class FOOVB(torch.optim.Optimizer):
             block.state.update({key: value.clone() for key, value in loaded.items()})
             self.state[block.params[0]] = block.state
         self.load_mean_into_model()
+
+
+def _record_prior_variances(progress: _Progress, blocks: Iterable[PosteriorBlock]) -> None:
+    """Each block's mean prior variance, read once before its first update (for a divergence's advice)."""
+    for block in blocks:
+        if block not in progress.prior_variances:
+            progress.prior_variances[block] = float(torch.stack(
+                [block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
+
+
+@torch.no_grad()
+def _record_mean_norms(progress: _Progress, blocks: Iterable[PosteriorBlock]) -> None:
+    """Each block's mean norm after this update, and after its first (no synchronisation here)."""
+    norms = {block: torch.linalg.vector_norm(block.state["mean"]) for block in blocks}
+    progress.first_mean_norms = {**norms, **progress.first_mean_norms}
+    progress.mean_norms.update(norms)
+
+
+def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
+    """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
+    effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
+    what to pass."""
+    growth = {block: float(norm) / max(float(opt._progress.first_mean_norms[block]), 1e-12)
+              for block, norm in opt._progress.mean_norms.items() if block in opt._progress.first_mean_norms}
+    if not growth:
+        return "No update succeeded before this one"
+    block = max(growth, key=growth.get)
+    names = {id(module): name for name, module in opt.model.named_modules()}
+    name = names.get(id(block.module), "?") or "(the model itself)"
+    variance = opt._progress.prior_variances[block]
+    rate = opt.mean_step * variance * (grad_scale or 1.0)
+    if not opt.implicit_mean:
+        fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
+    else:
+        coupled = ("curvature_damping=True (weights whose curvature is coupled), posterior='kronecker', "
+                   if opt.posterior_family == "diagonal" and not opt.curvature_damping else "")
+        fix = (f"pass {coupled}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or a smaller std_init "
+               f"(e.g. std_init={math.sqrt(variance) / 2:.2g})")
+    return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
+            f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
+            f"terms) was {rate:.3g}; {fix}")
