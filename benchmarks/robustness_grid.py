@@ -321,8 +321,8 @@ def run_one(job: dict) -> dict:
                 loss.backward()
                 return loss
 
-            loss = float(optimizer.step(closure).detach() if isinstance(optimizer, torch.optim.Optimizer)
-                         and not isinstance(optimizer, FOOVB) else optimizer.step(closure))
+            loss = optimizer.step(closure)  # torch optimizers return the closure's tensor, FOOVB a float
+            loss = float(loss.detach() if isinstance(loss, Tensor) else loss)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {loss}")
             losses.append(loss)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -75,9 +75,10 @@ class _Progress:
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
-    first_mean_norms: dict = field(default_factory=dict)  # block -> its mean's norm after its first update
-    mean_norms: dict = field(default_factory=dict)  # block -> its mean's norm after the last update
-    prior_variances: dict = field(default_factory=dict)  # block -> its mean variance before its first update
+    # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
+    # after
+    prior_variances: dict = field(default_factory=dict)
+    first_mean_norms: dict = field(default_factory=dict)
 
 
 def _progress(key: str, doc: str) -> property:
@@ -396,10 +397,11 @@ class FOOVB(torch.optim.Optimizer):
     def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float,
                       num_samples: int, step_seed: int) -> float:
         """UPDATE every block the step trains (`engine.apply_update`), then load the new mean into the model."""
-        _record_prior_variances(self._progress, stats)
+        first = [block for block in stats if block not in self._progress.first_mean_norms]
+        self._progress.prior_variances.update({block: _mean_variance(block) for block in first})
         mean_loss = apply_update(stats, losses, loss_rows, num_samples, self.mean_step, self.cov_step,
                                  self.statistics_reducer, self.steps_taken, self.std_growth, step_seed)
-        _record_mean_norms(self._progress, stats)
+        self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
         self.load_mean_into_model()
         self.steps_taken += 1
         return mean_loss
@@ -453,28 +455,17 @@ class FOOVB(torch.optim.Optimizer):
         self.load_mean_into_model()
 
 
-def _record_prior_variances(progress: _Progress, blocks: Iterable[PosteriorBlock]) -> None:
-    """Each block's mean prior variance, read once before its first update (for a divergence's advice)."""
-    for block in blocks:
-        if block not in progress.prior_variances:
-            progress.prior_variances[block] = float(torch.stack(
-                [block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
-
-
-@torch.no_grad()
-def _record_mean_norms(progress: _Progress, blocks: Iterable[PosteriorBlock]) -> None:
-    """Each block's mean norm after this update, and after its first (no synchronisation here)."""
-    norms = {block: torch.linalg.vector_norm(block.state["mean"]) for block in blocks}
-    progress.first_mean_norms = {**norms, **progress.first_mean_norms}
-    progress.mean_norms.update(norms)
+def _mean_variance(block: PosteriorBlock) -> float:
+    """The mean marginal variance of a block's parameters."""
+    return float(torch.stack([block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
 
 
 def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
     effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
-    what to pass."""
-    growth = {block: float(norm) / max(float(opt._progress.first_mean_norms[block]), 1e-12)
-              for block, norm in opt._progress.mean_norms.items() if block in opt._progress.first_mean_norms}
+    what to pass. The posterior is the last step's (a refused update is undone)."""
+    growth = {block: float(block.state["mean"].norm()) / max(norm, 1e-12)
+              for block, norm in opt._progress.first_mean_norms.items()}
     if not growth:
         return "No update succeeded before this one"
     block = max(growth, key=growth.get)

@@ -244,22 +244,21 @@ class DiagonalBlock(PosteriorBlock):
                 self.state["grad_noise_average"] = grad_noise_mean
             else:
                 grad_noise_mean = average.lerp_(grad_noise_mean, 1 - self.cov_momentum)
-        # Eq. "diagonal implicit solution": mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K), with the prior's
-        # sigma (Algorithm 4) or the updated one (implicit_mean);
-        # sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta E[g eps] / 2
-        if not self.implicit_mean:
-            self.state["mean"].addcmul_(std.square(), stats["grad_sum"], value=-mean_step / num_samples)
+        # Eq. "diagonal implicit solution": sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta
+        # E[g eps] / 2, then mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K) with the prior's sigma (Algorithm 4)
+        # or the updated one (implicit_mean)
+        variance = None if self.implicit_mean else std.square()
         if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale(torch.mul(std, grad_noise_mean).abs_()))
         else:
             std.mul_(signed_root_scale(std * grad_noise_mean))
             if self.std_growth == "capped":  # never wider than the initial prior
                 std.clamp_(max=self.std_init)
-        if self.implicit_mean:
+        if variance is None:
             variance = std.square()
             if self.curvature_damping:
                 variance.mul_(self.damping(curvature, spread, mean_step))
-            self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
+        self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
@@ -393,14 +392,13 @@ class KroneckerBlock(PosteriorBlock):
         # mean (1/n) Psi A Phi^T (p x p), as in the appendix "Derivation of the fixed-point equations for the matrix
         # variate Gaussian"; Algorithm 3 prints Psi^T A Phi, which has no consistent shape (a typo)
         e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))
-        # Eq. "Kronecker-factored necessary conditions": M <- M - eta B B^T E1 A A^T, with the prior's factors
-        # (Algorithm 3) or the updated ones (implicit_mean); A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2)
-        if not self.implicit_mean:
-            mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
-        a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
-        b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
+        # A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2); Eq. "Kronecker-factored necessary conditions":
+        # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
+        new_a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
+        new_b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
         if self.implicit_mean:
-            mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
+            a, b = new_a, new_b
+        mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
@@ -457,13 +455,12 @@ class FullBlock(PosteriorBlock):
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a = self.state["sqrt_cov"]
-        # Eq. "Gaussian first order necessary conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2)
-        # or the updated one (implicit_mean);  A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2)
-        if not self.implicit_mean:
-            self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
-        a = self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
+        # A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2); Eq. "Gaussian first order necessary
+        # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
+        new_a = self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
         if self.implicit_mean:
-            self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
+            a = new_a
+        self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])

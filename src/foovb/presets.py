@@ -41,9 +41,8 @@ The arguments of FOOVB:
         first order about m, E_{q_n}[g] = E_{q_{n-1}}[g] + H (mu - m), gives mu - m = -(V^{-1} + H)^{-1} E[g],
         and (V^{-1} + H)^{-1} is the covariance's fixed point: Sigma. Each step is then bounded by the curvature
         the step measured (eta Sigma H <= 2 eta / (3 sqrt(3) beta) ~ 0.385 eta / beta per diagonal entry of a
-        quadratic: docs/theory.md),
-        where the prior's V moves a weight by eta V H, unbounded for a prior wide against the likelihood (an
-        extension).
+        quadratic: docs/theory.md), where the prior's V moves a weight by eta V H, unbounded for a prior wide
+        against the likelihood (an extension).
     curvature_damping: diagonal family, with implicit_mean: scale each block's mean step by min(1, 1 / (eta rho)),
         rho a Rayleigh quotient of sigma' H sigma' estimated from the step's samples (sum_k ||sigma' (g_k - E[g])||^2
         over sum_k (sigma eps_k) . (g_k - E[g])), which sees the coupling between the weights of a block that mean
@@ -109,8 +108,7 @@ PRESETS: dict[str, dict[str, dict]] = {
 # Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
 # preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
 FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "curvature_damping": ("diagonal",),
-               "alpha": ("kronecker",),
-               "max_full_params": ("full",)}
+               "alpha": ("kronecker",), "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",

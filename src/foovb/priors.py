@@ -140,7 +140,7 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
         else:
             blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
                                         settings["std_growth"], settings["cov_momentum"], implicit_mean,
-                                        settings["curvature_damping"] and posterior == "diagonal")
+                                        settings["curvature_damping"])
                           for p in direct)
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None \
                 and module.weight.requires_grad:
