@@ -17,8 +17,8 @@ def quadratic_step(curvature: torch.Tensor, target: torch.Tensor, implicit_mean:
     layer = nn.Linear(len(curvature), 1, bias=False)
     with torch.no_grad():
         layer.weight.zero_()
-    opt = FOOVB(layer, mc_samples=2, std_init=std_init, mean_step=mean_step, cov_step=cov_step, antithetic=True,
-                std_growth="none", implicit_mean=implicit_mean, loss_reduction="sum", seed=0)
+    opt = FOOVB(layer, "diagonal", mc_samples=2, std_init=std_init, mean_step=mean_step, cov_step=cov_step,
+                antithetic=True, std_growth="none", implicit_mean=implicit_mean, loss_reduction="sum", seed=0)
 
     def closure() -> torch.Tensor:
         loss = (0.5 * curvature * (layer.weight[0] - target).square()).sum()
@@ -157,7 +157,7 @@ def rank_one_step(curvature_damping: bool, steps: int, rows: int = 1, mean: bool
     layer = nn.Linear(50, 1, bias=False)
     with torch.no_grad():
         layer.weight.zero_()
-    opt = FOOVB(layer, mc_samples=4, std_init=0.5, cov_step=0.3, curvature_damping=curvature_damping,
+    opt = FOOVB(layer, "diagonal", mc_samples=4, std_init=0.5, cov_step=0.3, curvature_damping=curvature_damping,
                 loss_reduction="auto" if mean else "sum", seed=0)
     inputs = torch.ones(rows, 50)
 
@@ -207,4 +207,4 @@ def test_curvature_damping_needs_the_diagonal_family_and_the_implicit_step():
     with pytest.raises(ValueError, match="diagonal family only"):
         FOOVB(nn.Linear(3, 2), "kronecker", curvature_damping=True)
     with pytest.raises(ValueError, match="needs implicit_mean=True"):
-        FOOVB(nn.Linear(3, 2), curvature_damping=True, implicit_mean=False)
+        FOOVB(nn.Linear(3, 2), "diagonal", curvature_damping=True, implicit_mean=False)

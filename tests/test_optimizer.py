@@ -1033,8 +1033,9 @@ BAD_KWARGS = [
     ("preset", {"preset": "best"}),
     ("std_growth applies to the diagonal family only", {"posterior": "kronecker", "std_growth": "none"}),
     ("cov_momentum applies to the diagonal family only", {"posterior": "full", "cov_momentum": 0.5}),
-    ("alpha applies to the kronecker family only", {"alpha": 0.3}),
+    ("alpha applies to the kronecker family", {"posterior": "diagonal", "alpha": 0.3}),
     ("max_full_params applies to the full family only", {"max_full_params": 10}),
+    ("posterior must be one of", {"posterior": "matrix"}),
 ]
 
 
@@ -1508,7 +1509,7 @@ def test_defaults_are_the_papers_settings():
     """K = 10 Monte Carlo samples (paper, "Algorithms": "The $K=10$ MC samples", foo-vb.tex l. 376; appendix
     l. 861), sigma_init = 0.047 and alpha = 0.5 (appendix "Discrete permuted MNIST", l. 867-868)."""
     model = mlp()
-    opt = FOOVB(model, seed=0, **PAPER)
+    opt = FOOVB(model, "diagonal", seed=0, **PAPER)
     assert opt.posterior_family == "diagonal" and opt.mc_samples == 10
     group = opt.param_groups[0]
     assert (group["mc_samples"], group["std_init"], group["alpha"]) == (10, 0.047, 0.5)

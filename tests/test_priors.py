@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from foovb import FOOVB
-from foovb.priors import PAPER_STD_INIT, xavier_std
+from foovb.priors import AUTO_MAX_FACTOR, PAPER_STD_INIT, xavier_std
 
 
 def paper_mlp(seed: int = 0) -> nn.Sequential:
@@ -66,14 +66,17 @@ def test_the_default_prior_is_per_layer_and_the_weights_are_kept(family):
 
 def test_pretrained_scaled_and_zero_weights_get_the_same_finite_prior_and_stay_the_mean():
     reference = paper_mlp(0)
-    want = stds(FOOVB(reference), reference)
+    want = stds(FOOVB(reference, "diagonal"), reference)
     pretrained = paper_mlp(1)
     with torch.no_grad():
         pretrained[0].weight.mul_(10)  # a trained layer of another scale
         pretrained[2].weight.zero_()  # no usable scale at all
         pretrained[4].bias.fill_(3.0)  # constant
     before = [p.detach().clone() for p in pretrained.parameters()]
-    opt = FOOVB(pretrained)
+    default = FOOVB(pretrained)  # posterior="auto": matrix-variate layers, the weights still the mean
+    assert all(torch.equal(p, b) and torch.equal(default.posterior(p).mean, b)
+               for p, b in zip(pretrained.parameters(), before, strict=True))
+    opt = FOOVB(pretrained, "diagonal")
     got = stds(opt, pretrained)
     for g, w in zip(got, want, strict=True):
         assert torch.isfinite(g).all() and torch.equal(g, w)
@@ -84,7 +87,7 @@ def test_pretrained_scaled_and_zero_weights_get_the_same_finite_prior_and_stay_t
 
 def test_norm_layers_take_the_paper_sigma_init_and_convolutions_their_own():
     model = small_cnn()
-    opt = FOOVB(model)
+    opt = FOOVB(model, "diagonal")
     assert opt.posterior(model[1].weight).std.unique().tolist() == [pytest.approx(PAPER_STD_INIT)]
     conv_std = opt.posterior(model[0].bias).std
     torch.testing.assert_close(conv_std, torch.full_like(conv_std, math.sqrt(2 / (25 + 150))))
@@ -99,7 +102,7 @@ def test_the_matrix_variate_fallback_blocks_use_the_per_layer_rule():
 
 def test_one_number_or_the_paper_preset_still_gives_one_std_everywhere():
     model = paper_mlp()
-    for opt in (FOOVB(model, std_init=0.02), FOOVB(model, preset="paper", init="keep")):
+    for opt in (FOOVB(model, "diagonal", std_init=0.02), FOOVB(model, "diagonal", preset="paper", init="keep")):
         values = torch.cat([s.flatten() for s in stds(opt, model)]).unique()
         assert values.numel() == 1 and values.item() == pytest.approx(opt.param_groups[0]["std_init"])
 
@@ -222,3 +225,78 @@ def test_the_padding_row_is_found_beside_another_tensor_of_the_module(family):
     table = opt.posterior(model[0].weight).std
     assert torch.equal(table[2], torch.zeros(4)) and bool((table[[0, 1, 3]] > 0).all())
     assert bool((opt.posterior(model[0].scale).std > 0).all())
+
+
+def families(opt: FOOVB) -> dict[str, str]:
+    names = {id(p): name for name, p in opt.model.named_parameters()}
+    return {names[id(p)]: block.family for block in opt.blocks for p in block.params}
+
+
+def test_the_default_posterior_is_matrix_variate_where_affordable_and_diagonal_elsewhere():
+    """posterior="auto": Algorithm 3 for float Linear / Conv2d layers whose factors have at most AUTO_MAX_FACTOR
+    rows (fan_in + 1 for the bias, out_features), the diagonal posterior for every other tensor."""
+    torch.manual_seed(0)
+    # only the shapes matter here (the model is not run)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, AUTO_MAX_FACTOR),
+                          nn.Linear(AUTO_MAX_FACTOR - 1, 3), nn.LayerNorm(3),
+                          nn.Linear(3, AUTO_MAX_FACTOR + 1, bias=False), nn.Linear(AUTO_MAX_FACTOR + 1, 2))
+    opt = FOOVB(model)
+    assert opt.posterior_family == "auto"
+    assert families(opt) == {
+        "0.weight": "kronecker", "0.bias": "kronecker", "1.weight": "diagonal", "1.bias": "diagonal",
+        "3.weight": "kronecker", "3.bias": "kronecker",  # 2048 output rows
+        "4.weight": "kronecker", "4.bias": "kronecker",  # 2047 inputs + the bias: a 2048-row factor
+        "5.weight": "diagonal", "5.bias": "diagonal",
+        "6.weight": "diagonal",  # 2049 output rows
+        "7.weight": "diagonal", "7.bias": "diagonal",  # 2049 inputs + the bias
+    }
+
+
+def test_the_default_posterior_falls_back_where_the_matrix_family_refuses():
+    """Where posterior="kronecker" raises (half-precision factors, a frozen bias beside a trainable weight), the
+    default takes the diagonal posterior for that layer; an explicit kronecker still raises."""
+    torch.manual_seed(0)
+    half = nn.Sequential(nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2)).bfloat16()
+    assert set(families(FOOVB(half)).values()) == {"diagonal"}
+    with pytest.raises(ValueError, match="bfloat16"):
+        FOOVB(half, "kronecker")
+    frozen_bias = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    frozen_bias[0].bias.requires_grad_(False)
+    assert families(FOOVB(frozen_bias)) == {"0.weight": "diagonal", "1.weight": "kronecker", "1.bias": "kronecker"}
+    with pytest.raises(ValueError, match="frozen bias"):
+        FOOVB(frozen_bias, "kronecker")
+
+
+def test_the_default_posterior_is_the_kronecker_family_on_a_model_it_covers():
+    """On a model whose every layer is affordable, posterior="auto" takes the same steps as posterior="kronecker"
+    (the same settings, the same noise); a state dict of one does not load into the other."""
+    data, labels = torch.randn(32, 20), torch.randint(0, 3, (32,))
+    trained = {}
+    for posterior in ("auto", "kronecker"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(20, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = FOOVB(model, posterior, mc_samples=4, seed=3)
+        for _ in range(3):
+            def closure(model: nn.Module = model) -> torch.Tensor:
+                loss = nn.functional.cross_entropy(model(data), labels)
+                loss.backward()
+                return loss
+            opt.step(closure)
+        trained[posterior] = (model, opt)
+    for auto, kron in zip(trained["auto"][0].parameters(), trained["kronecker"][0].parameters(), strict=True):
+        assert torch.equal(auto, kron)
+    with pytest.raises(ValueError, match="posterior: saved 'kronecker', here 'auto'"):
+        FOOVB(trained["auto"][0], mc_samples=4).load_state_dict(trained["kronecker"][1].state_dict())
+
+
+def test_the_default_posterior_initialises_its_diagonal_layers_with_the_paper_preset():
+    """preset="paper" re-initialises every layer: the matrix-variate ones draw their means (Implementation
+    details), the diagonal fallback ones get the paper's N(0, 2 / (fan_in + fan_out))."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(AUTO_MAX_FACTOR + 10, 20), nn.Linear(20, 5))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    opt = FOOVB(model, preset="paper", seed=0)
+    assert families(opt)["0.weight"] == "diagonal" and families(opt)["1.weight"] == "kronecker"
+    assert model[0].weight.std().item() == pytest.approx(xavier_std(model[0].weight), rel=0.05)
+    assert torch.equal(model[0].bias, torch.zeros(20))

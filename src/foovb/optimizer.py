@@ -103,8 +103,10 @@ class FOOVB(torch.optim.Optimizer):
     Args (each in full in `foovb.presets`' docstring and docs/api.md):
         model: the network; its parameters are the prior mean (init="keep") and hold the posterior mean after
             every step (values written into them between steps become the mean).
-        posterior: "diagonal" (Algorithm 4), "kronecker" (matrix-variate, Algorithm 3, per nn.Linear / nn.Conv2d;
-            other tensors diagonal) or "full" (multivariate, Algorithm 2, per module; small layers only).
+        posterior: "auto" (matrix-variate where affordable: every float nn.Linear / nn.Conv2d whose factors have at
+            most 2048 rows; diagonal elsewhere; the kronecker family's settings), "diagonal" (Algorithm 4),
+            "kronecker" (matrix-variate, Algorithm 3, per nn.Linear / nn.Conv2d; other tensors diagonal) or "full"
+            (multivariate, Algorithm 2, per module; small layers only).
         mc_samples: K, Monte Carlo samples per step (the paper: 10).
         preset: "recommended" or "paper": where the settings left None come from (`PRESETS`).
         std_init, alpha, init: the prior (`foovb.priors`): one std or "xavier" per layer; the matrix-variate
@@ -126,7 +128,7 @@ class FOOVB(torch.optim.Optimizer):
     def __init__(
         self,
         model: nn.Module,
-        posterior: str = "diagonal",
+        posterior: str = "auto",
         mc_samples: int = 10,
         *,
         preset: str = "recommended",
@@ -186,7 +188,7 @@ class FOOVB(torch.optim.Optimizer):
 
     # Read-only views of the construction-time settings (in param_groups too; changing them is refused)
     mc_samples = _fixed_setting("mc_samples", "K, Monte Carlo samples per step.")
-    posterior_family = _fixed_setting("posterior", '"diagonal", "kronecker" or "full".')
+    posterior_family = _fixed_setting("posterior", '"auto", "diagonal", "kronecker" or "full".')
     loss_reduction = _fixed_setting("loss_reduction", '"auto", "sum" or "mean".')
     antithetic = _fixed_setting("antithetic", "Whether the Monte Carlo samples come in pairs (eps, -eps).")
     std_growth = _fixed_setting("std_growth", 'How the diagonal family\'s sigma may grow: "paper", "capped", "none".')
@@ -478,8 +480,10 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     else:
         coupled = ("curvature_damping=True (weights whose curvature is coupled), posterior='kronecker', "
                    if opt.posterior_family == "diagonal" and not opt.curvature_damping else "")
-        fix = (f"pass {coupled}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or a smaller std_init "
-               f"(e.g. std_init={math.sqrt(variance) / 2:.2g})")
+        prior = (f"a larger alpha (the prior's variance is 2 (1 - alpha) / (fan_in + 2); e.g. "
+                 f"alpha={(1 + opt.param_groups[0]['alpha']) / 2:g})" if isinstance(block, KroneckerBlock)
+                 else f"a smaller std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
+        fix = f"pass {coupled}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
     return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
             f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
             f"terms) was {rate:.3g}; {fix}")

@@ -4,7 +4,11 @@ reads, which are fixed at construction, and their validation (a ValueError namin
 The arguments of FOOVB:
     model: the network. Its parameters are the prior mean (init="keep") or are re-initialised
         (init="paper"); after every step they hold the posterior mean.
-    posterior: "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
+    posterior: "auto" (the default): "kronecker" for every nn.Linear / nn.Conv2d in float32 or float64 whose
+        Kronecker factors have at most AUTO_MAX_FACTOR (2048) rows (fan_in + 1, out_features), "diagonal" for
+        every other tensor, with the kronecker family's settings (on the robustness grid the matrix-variate
+        family beat the diagonal one in most cells: docs/results.md, "A default that holds");
+        "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
         Algorithm 3, per nn.Linear / nn.Conv2d whose parameters are its weight and bias; other parameters,
         e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
         (multivariate, Algorithm 2, one full covariance per module; small layers only).
@@ -71,16 +75,17 @@ import math
 from torch import Tensor
 
 from .posteriors import FAMILIES
-from .priors import XAVIER
+from .priors import AUTO, XAVIER
 from .validation import is_boolean, is_integer, is_real
 
-__all__ = ["FAMILY_ONLY", "FIXED", "LEGACY_FIXED", "PRESETS", "check_batch_size", "check_param_group",
+__all__ = ["FAMILY_ONLY", "POSTERIORS", "FIXED", "LEGACY_FIXED", "PRESETS", "check_batch_size", "check_param_group",
            "check_state_dict", "check_step_sizes", "resolve", "validate"]
 
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
 MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 finite in float32
 LOSS_REDUCTIONS = ("auto", "sum", "mean")
+POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordable, with its settings
 
 # Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
 # (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
@@ -103,12 +108,13 @@ PRESETS: dict[str, dict[str, dict]] = {
                       "init": "keep", "std_init": XAVIER},
         "full": {**_PAPER, "antithetic": True, "implicit_mean": True, "init": "keep", "std_init": XAVIER},
     },
-    "paper": {family: dict(_PAPER) for family in FAMILIES},
+    "paper": {family: dict(_PAPER) for family in POSTERIORS},
 }
+PRESETS["recommended"][AUTO] = dict(PRESETS["recommended"]["kronecker"])
 # Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
 # preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
 FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "curvature_damping": ("diagonal",),
-               "alpha": ("kronecker",), "max_full_params": ("full",)}
+               "alpha": ("kronecker", AUTO), "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",
@@ -167,15 +173,16 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
 def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict[str, object]:
     """The settings of a FOOVB: the preset's values for the family, overridden by those `given` (not None);
     a ValueError for an unknown family or preset, or a setting that the family does not read."""
-    if posterior not in FAMILIES:
-        raise ValueError(f"posterior must be one of {FAMILIES}, got {posterior!r}")
+    if posterior not in POSTERIORS:
+        raise ValueError(f"posterior must be one of {POSTERIORS}, got {posterior!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     given = {key: value for key, value in given.items() if value is not None}
     for key, families in FAMILY_ONLY.items():
         if key in given and posterior not in families and not (key == "alpha" and given.get("init") == "alpha"):
-            raise ValueError(f"{key} applies to the {' and '.join(families)} family only, not to "
-                             f"posterior={posterior!r}")
+            named = " and ".join(family for family in families if family != AUTO)
+            also = f" (and posterior={AUTO!r})" if AUTO in families else ""
+            raise ValueError(f"{key} applies to the {named} family{also} only, not to posterior={posterior!r}")
     return {**PRESETS[preset][posterior], **given}
 
 

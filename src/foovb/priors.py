@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock
 
 XAVIER = "xavier"
+AUTO = "auto"  # the default posterior: matrix-variate where affordable, diagonal elsewhere
+AUTO_MAX_FACTOR = 2048  # posterior="auto": the largest Kronecker factor (rows) of a matrix-variate layer
 PAPER_STD_INIT = 0.047  # the paper's sigma_init (appendix, "Discrete permuted MNIST")
 
 
@@ -98,11 +100,32 @@ def check_factor_dtype(name: str, dtype: torch.dtype, posterior: str) -> None:
             "FOOVB supports, or use posterior='diagonal'")
 
 
+def matrix_variate_layer(module: nn.Module, direct: list[nn.Parameter]) -> bool:
+    """Whether the matrix-variate posterior applies to `module` (its trainable `direct` parameters): an nn.Linear
+    or nn.Conv2d whose trainable parameters are its weight (a parameter, not e.g. weight_norm's computed weight,
+    and trainable: a frozen weight leaves a diagonal bias) and bias."""
+    return (isinstance(module, (nn.Linear, nn.Conv2d)) and isinstance(module.weight, nn.Parameter)
+            and all(p is module.weight or p is module.bias for p in direct) and module.weight.requires_grad)
+
+
+def affordable_matrix_variate(module: nn.Module) -> bool:
+    """posterior="auto": whether a matrix-variate layer gets Algorithm 3 rather than the diagonal posterior: a
+    float32 / float64 weight (the factors are kept in its dtype) with a trainable or absent bias, whose factors have
+    at most AUTO_MAX_FACTOR rows (input: fan_in + 1 for the bias, output: out_features / out_channels), so that
+    each factor takes at most 16 MiB and a sample's extra product (the batch's inputs times the n x n input
+    factor) stays within a few times the layer's own forward pass."""
+    weight = module.weight
+    return (weight.dtype in (torch.float32, torch.float64)
+            and (module.bias is None or module.bias.requires_grad)
+            and weight[0].numel() + 1 <= AUTO_MAX_FACTOR and weight.shape[0] <= AUTO_MAX_FACTOR)
+
+
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
                 layer_std: dict[int, float]) -> list[PosteriorBlock]:
     """One posterior block per trainable tensor (diagonal), per nn.Linear / nn.Conv2d (kronecker; other
-    tensors diagonal) or per module (full), its state in the optimizer's per-parameter `state`; the means are
-    the parameters' current values (the matrix-variate blocks draw theirs when init is not "keep")."""
+    tensors diagonal; "auto": those of `affordable_matrix_variate` layers, other tensors diagonal) or per module
+    (full), its state in the optimizer's per-parameter `state`; the means are the parameters' current values (the
+    matrix-variate blocks draw theirs when init is not "keep")."""
     std_init, alpha, init = settings["std_init"], settings["alpha"], settings["init"]
     max_full_params, implicit_mean = settings["max_full_params"], settings["implicit_mean"]
     blocks: list[PosteriorBlock] = []
@@ -116,12 +139,10 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                              "not supported: each parameter needs one posterior)")
         seen.update(id(p) for p in direct)
         module_std = layer_std.get(id(module))  # init="alpha": one prior std per layer
-        if posterior != "diagonal":
+        if posterior in ("kronecker", "full"):
             check_factor_dtype(name, direct[0].dtype, posterior)
-        if (posterior == "kronecker" and isinstance(module, (nn.Linear, nn.Conv2d))
-                and isinstance(module.weight, nn.Parameter)  # not e.g. weight_norm's computed weight
-                and all(p is module.weight or p is module.bias for p in direct)
-                and module.weight.requires_grad):  # a frozen weight leaves a diagonal bias
+        if matrix_variate_layer(module, direct) and (
+                posterior == "kronecker" or posterior == AUTO and affordable_matrix_variate(module)):
             if module.bias is not None and not module.bias.requires_grad:
                 raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
             blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init, implicit_mean))
@@ -166,7 +187,7 @@ def prior_blocks(model: nn.Module, state: dict, generator: torch.Generator, post
     """The posterior blocks of a new FOOVB, holding the prior of the first step: the means initialised as
     settings["init"] says (the matrix-variate blocks draw their own), then `make_blocks`."""
     layer_std: dict[int, float] = {}  # id(module) -> its initial std, where init sets it per layer
-    if posterior != "kronecker":
+    if posterior != "kronecker":  # the matrix-variate blocks draw their own means ("auto": its other layers not)
         if settings["init"] == "alpha":
             layer_std = alpha_init(model, generator, settings["alpha"])
         elif settings["init"] != "keep":

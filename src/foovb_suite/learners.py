@@ -53,7 +53,7 @@ class FOOVBLearner:
 
     name = "foovb"
 
-    def __init__(self, model: nn.Module, posterior: str = "diagonal", mc_samples: int = 10, *,
+    def __init__(self, model: nn.Module, posterior: str = "auto", mc_samples: int = 10, *,
                  preset: str = "recommended", eval_samples: int = 10, batched: bool = True,
                  chunk_size: int | None = None, num_heads: int = 1, classes_per_head: int = 10, seed: int = 0,
                  **options: Any):
