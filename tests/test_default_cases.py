@@ -1,6 +1,8 @@
 """FOOVB(model)'s defaults on the small models users bring, where a step with the prior's covariance overshoots: a
 1-64-64-1 tanh regression net, a 20-8-20 autoencoder (a mean over 20 outputs per row) and a Gaussian-NLL head. The
-bars are the shared default cases' (../shared/checks/default_cases.py); the previous default fails each of them."""
+bars are the shared default cases' (../shared/checks/default_cases.py); the previous default fails each of them.
+FOOVB(model)'s posterior "auto" is the kronecker family on these models (its steps are the kronecker family's:
+tests/test_priors.py); the diagonal family is checked too."""
 
 import importlib.util
 from pathlib import Path

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from foovb import FOOVB
-from foovb.priors import AUTO_MAX_FACTOR, PAPER_STD_INIT, xavier_std
+from foovb.priors import AUTO_MAX_FEATURES, PAPER_STD_INIT, xavier_std
 
 
 def paper_mlp(seed: int = 0) -> nn.Sequential:
@@ -233,22 +233,25 @@ def families(opt: FOOVB) -> dict[str, str]:
 
 
 def test_the_default_posterior_is_matrix_variate_where_affordable_and_diagonal_elsewhere():
-    """posterior="auto": Algorithm 3 for float Linear / Conv2d layers whose factors have at most AUTO_MAX_FACTOR
-    rows (fan_in + 1 for the bias, out_features), the diagonal posterior for every other tensor."""
+    """posterior="auto": Algorithm 3 for float Linear / Conv2d layers with at most AUTO_MAX_FEATURES inputs (fan_in)
+    and outputs, the diagonal posterior for every other tensor."""
     torch.manual_seed(0)
     # only the shapes matter here (the model is not run)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, AUTO_MAX_FACTOR),
-                          nn.Linear(AUTO_MAX_FACTOR - 1, 3), nn.LayerNorm(3),
-                          nn.Linear(3, AUTO_MAX_FACTOR + 1, bias=False), nn.Linear(AUTO_MAX_FACTOR + 1, 2))
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, AUTO_MAX_FEATURES),
+                          nn.Linear(AUTO_MAX_FEATURES, 3), nn.LayerNorm(3),
+                          nn.Linear(3, AUTO_MAX_FEATURES + 1, bias=False), nn.Linear(AUTO_MAX_FEATURES + 1, 2),
+                          nn.Conv2d(113, 8, 3), nn.Conv2d(1, 8, (1, 1025)))
     opt = FOOVB(model)
     assert opt.posterior_family == "auto"
     assert families(opt) == {
         "0.weight": "kronecker", "0.bias": "kronecker", "1.weight": "diagonal", "1.bias": "diagonal",
-        "3.weight": "kronecker", "3.bias": "kronecker",  # 2048 output rows
-        "4.weight": "kronecker", "4.bias": "kronecker",  # 2047 inputs + the bias: a 2048-row factor
+        "3.weight": "kronecker", "3.bias": "kronecker",  # 1024 outputs
+        "4.weight": "kronecker", "4.bias": "kronecker",  # 1024 inputs
         "5.weight": "diagonal", "5.bias": "diagonal",
-        "6.weight": "diagonal",  # 2049 output rows
-        "7.weight": "diagonal", "7.bias": "diagonal",  # 2049 inputs + the bias
+        "6.weight": "diagonal",  # 1025 outputs
+        "7.weight": "diagonal", "7.bias": "diagonal",  # 1025 inputs
+        "8.weight": "kronecker", "8.bias": "kronecker",  # fan_in 113 x 3 x 3 = 1017
+        "9.weight": "diagonal", "9.bias": "diagonal",  # fan_in 1 x 1 x 1025
     }
 
 
@@ -293,7 +296,7 @@ def test_the_default_posterior_initialises_its_diagonal_layers_with_the_paper_pr
     """preset="paper" re-initialises every layer: the matrix-variate ones draw their means (Implementation
     details), the diagonal fallback ones get the paper's N(0, 2 / (fan_in + fan_out))."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(AUTO_MAX_FACTOR + 10, 20), nn.Linear(20, 5))
+    model = nn.Sequential(nn.Linear(AUTO_MAX_FEATURES + 10, 20), nn.Linear(20, 5))
     with torch.no_grad():
         model[0].weight.fill_(1.0)
     opt = FOOVB(model, preset="paper", seed=0)

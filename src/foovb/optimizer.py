@@ -103,8 +103,8 @@ class FOOVB(torch.optim.Optimizer):
     Args (each in full in `foovb.presets`' docstring and docs/api.md):
         model: the network; its parameters are the prior mean (init="keep") and hold the posterior mean after
             every step (values written into them between steps become the mean).
-        posterior: "auto" (matrix-variate where affordable: every float nn.Linear / nn.Conv2d whose factors have at
-            most 2048 rows; diagonal elsewhere; the kronecker family's settings), "diagonal" (Algorithm 4),
+        posterior: "auto" (matrix-variate where affordable: every float nn.Linear / nn.Conv2d with at most 1024
+            inputs and outputs; diagonal elsewhere; the kronecker family's settings), "diagonal" (Algorithm 4),
             "kronecker" (matrix-variate, Algorithm 3, per nn.Linear / nn.Conv2d; other tensors diagonal) or "full"
             (multivariate, Algorithm 2, per module; small layers only).
         mc_samples: K, Monte Carlo samples per step (the paper: 10).

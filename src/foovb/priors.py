@@ -20,7 +20,7 @@ from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock
 
 XAVIER = "xavier"
 AUTO = "auto"  # the default posterior: matrix-variate where affordable, diagonal elsewhere
-AUTO_MAX_FACTOR = 2048  # posterior="auto": the largest Kronecker factor (rows) of a matrix-variate layer
+AUTO_MAX_FEATURES = 1024  # posterior="auto": the most inputs (fan_in) and outputs of a matrix-variate layer
 PAPER_STD_INIT = 0.047  # the paper's sigma_init (appendix, "Discrete permuted MNIST")
 
 
@@ -110,14 +110,14 @@ def matrix_variate_layer(module: nn.Module, direct: list[nn.Parameter]) -> bool:
 
 def affordable_matrix_variate(module: nn.Module) -> bool:
     """posterior="auto": whether a matrix-variate layer gets Algorithm 3 rather than the diagonal posterior: a
-    float32 / float64 weight (the factors are kept in its dtype) with a trainable or absent bias, whose factors have
-    at most AUTO_MAX_FACTOR rows (input: fan_in + 1 for the bias, output: out_features / out_channels), so that
-    each factor takes at most 16 MiB and a sample's extra product (the batch's inputs times the n x n input
-    factor) stays within a few times the layer's own forward pass."""
+    float32 / float64 weight (the factors are kept in its dtype) with a trainable or absent bias, with at most
+    AUTO_MAX_FEATURES inputs (fan_in: in_features, or in_channels / groups x the kernel's size) and outputs. The
+    step's cost grows with the cube of the factors' sizes: on one CPU thread a K = 10 step of a 784-100-100-10 MLP
+    cost 3.4x the diagonal step, 784-512-10 5.1x, 784-1024-10 9.1x, 784-2047-10 25x (docs/performance.md)."""
     weight = module.weight
     return (weight.dtype in (torch.float32, torch.float64)
             and (module.bias is None or module.bias.requires_grad)
-            and weight[0].numel() + 1 <= AUTO_MAX_FACTOR and weight.shape[0] <= AUTO_MAX_FACTOR)
+            and weight[0].numel() <= AUTO_MAX_FEATURES and weight.shape[0] <= AUTO_MAX_FEATURES)
 
 
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
