@@ -16,7 +16,8 @@ Cells: a model kind on a stream that fits it, at batch 16, 64 and 256 (63 cells)
 Every task sees the same number of training examples at every batch size (`--examples`, 6,144: 384 steps of 16,
 96 of 64, 24 of 256); the test sets hold 1,000 examples per task. Losses are the means users write
 (F.cross_entropy, F.mse_loss); every learner of a cell and seed starts from the same weights and batches. Learners:
-`FOOVB(model)` and `FOOVB(model, "kronecker")` (K = 10; a candidate's settings with `--diagonal` / `--kronecker`
+`FOOVB(model, "diagonal")` and `FOOVB(model, "kronecker")` (`FOOVB(model)`'s default "auto" is the kronecker family
+on every model of the grid; K = 10; a candidate's settings with `--diagonal` / `--kronecker`
 and a `--tag`), SGD at lr 0.01, 0.03, 0.1 and Adam at 3e-4, 1e-3, 3e-3 (the best lr of each per cell, by the
 average over tasks).
 
@@ -499,7 +500,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=None, help="training examples per task (default 6144)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--tag", default="default", help="the name of the FOO-VB settings under test")
-    parser.add_argument("--diagonal", default="{}", help="JSON keyword arguments of FOOVB(model) for the candidate")
+    parser.add_argument("--diagonal", default="{}", help='JSON keyword arguments of FOOVB(model, "diagonal") for the candidate')
     parser.add_argument("--kronecker", default="{}", help='JSON keyword arguments of FOOVB(model, "kronecker")')
     parser.add_argument("--learners", default=None, help="comma-separated subset of: " + ", ".join(learner_names()))
     parser.add_argument("--summary-only", action="store_true")
