@@ -500,7 +500,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=None, help="training examples per task (default 6144)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--tag", default="default", help="the name of the FOO-VB settings under test")
-    parser.add_argument("--diagonal", default="{}", help='JSON keyword arguments of FOOVB(model, "diagonal") for the candidate')
+    parser.add_argument("--diagonal", default="{}", help='JSON keyword arguments of FOOVB(model, "diagonal")')
     parser.add_argument("--kronecker", default="{}", help='JSON keyword arguments of FOOVB(model, "kronecker")')
     parser.add_argument("--learners", default=None, help="comma-separated subset of: " + ", ".join(learner_names()))
     parser.add_argument("--summary-only", action="store_true")
