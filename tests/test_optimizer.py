@@ -4,6 +4,7 @@ sequential == batched paths, persistence, input validation, posterior views and 
 import contextlib
 import io
 import math
+import re
 import warnings
 
 import numpy as np
@@ -802,6 +803,102 @@ def test_load_state_dict_refuses_a_bad_foovb_entry_and_changes_nothing(progress)
     opt.step(ce_closure(model, x, y))  # the posterior the optimizer trains is the one it saves
     assert all_equal(list(opt.state_dict()["state"][0].values()),
                      [opt.blocks[0].state[key] for key in opt.state_dict()["state"][0]])
+
+
+def _poke(value, position, new):
+    """A copy of `value` with its entry at flat `position` set to `new` (or `new` of the entry's value)."""
+    value = value.clone()
+    value.view(-1)[position] = new(value.view(-1)[position]) if callable(new) else new
+    return value
+
+
+NON_FINITE = "has NaN or Inf in 1 of its"
+NOT_POSITIVE = "is negative, or 0 where this optimizer's is not, in 1 of its"
+# (family, options, parameter index, key, corruption of the saved tensor, the refusal's message after the key)
+BAD_VALUES = [
+    ("diagonal", {}, 0, "mean", lambda v: _poke(v, 1, math.nan), NON_FINITE),
+    ("diagonal", {}, 1, "mean", lambda v: _poke(v, 0, -math.inf), NON_FINITE),
+    ("diagonal", {}, 0, "std", lambda v: _poke(v, 3, math.nan), NON_FINITE),
+    ("diagonal", {}, 2, "std", lambda v: _poke(v, 0, 0.0), NOT_POSITIVE),
+    ("diagonal", {}, 0, "std", lambda v: _poke(v, 5, lambda x: -x), NOT_POSITIVE),
+    ("diagonal", {}, 0, "std", lambda v: v.to(torch.int64), "is torch.int64, this optimizer keeps torch.float32"),
+    ("diagonal", {}, 0, "mean", lambda v: v.to(torch.bool), "is torch.bool, this optimizer keeps torch.float32"),
+    ("diagonal", {}, 0, "mean", lambda v: v.half(), "is torch.float16, this optimizer keeps torch.float32"),
+    ("diagonal", {"cov_momentum": 0.9}, 0, "grad_noise_average", lambda v: _poke(v, 0, math.nan), NON_FINITE),
+    ("kronecker", {}, 0, "input_sqrt_cov", lambda v: _poke(v, 2, math.nan), NON_FINITE),
+    ("kronecker", {}, 2, "output_sqrt_cov", torch.zeros_like, "is all zero"),
+    ("kronecker", {}, 2, "mean", lambda v: v.double(), "is torch.float64, this optimizer keeps torch.float32"),
+    ("full", {}, 0, "sqrt_cov", lambda v: _poke(v, 7, math.inf), NON_FINITE),
+]
+SHAPES = {0: (6, 4), 1: (6,), 2: (3, 6)}  # mlp()'s parameters by index
+
+
+def _same_state_dicts(a: dict, b: dict) -> bool:
+    """Equal param_groups, generator state, steps taken and state tensors (values and dtypes)."""
+    return (a["param_groups"] == b["param_groups"] and a["foovb"]["steps_taken"] == b["foovb"]["steps_taken"]
+            and torch.equal(a["foovb"]["generator"], b["foovb"]["generator"]) and a["state"].keys() == b["state"].keys()
+            and all(a["state"][i].keys() == b["state"][i].keys()
+                    and all(x.dtype == b["state"][i][key].dtype and torch.equal(x, b["state"][i][key])
+                            for key, x in a["state"][i].items()) for i in a["state"]))
+
+
+def _refused_load_changes_nothing(opt: FOOVB, model: nn.Module, bad: dict, match: str) -> None:
+    before, params = opt.state_dict(), params_snapshot(model)
+    with pytest.raises(ValueError, match=match) as refusal:
+        opt.load_state_dict(bad)
+    assert "\n" not in str(refusal.value)  # one line
+    assert _same_state_dicts(opt.state_dict(), before) and all_equal(params_snapshot(model), params)
+
+
+@pytest.mark.parametrize(("family", "options", "index", "key", "corrupt", "match"), BAD_VALUES,
+                         ids=[f"{case[0]}-{case[3]}-{i}" for i, case in enumerate(BAD_VALUES)])
+def test_load_state_dict_refuses_bad_values_and_changes_nothing(family, options, index, key, corrupt, match):
+    """NaN / Inf / non-positive stds, singular or non-finite factors and other dtypes were loaded (or cast
+    silently); the next step then blamed values written into the model. Refused before anything changes, with
+    the parameter, the family and the key named; the optimizer state that was there is kept."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=0, **options, **PAPER)
+    _steps(model, opt, 0, 1)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5  # differs from the optimizer's, as the generator and steps_taken do
+    _steps(model, opt, 1, 1)
+    saved["state"][index][key] = corrupt(saved["state"][index][key])
+    named = re.escape(f"the {family} posterior of parameter {index} (shape {SHAPES[index]})")
+    _refused_load_changes_nothing(opt, model, saved, f"^cannot load {named}: its {key!r} {re.escape(match)}")
+    _steps(model, opt, 2, 1)  # still usable
+
+
+def test_load_state_dict_refuses_a_generator_state_torch_refuses_and_changes_nothing():
+    """A generator state of the right shape and dtype that torch.Generator refuses was set after the posterior
+    was replaced: a RuntimeError, and state_dict() then saved the refused posterior."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=0, **PAPER)
+    saved = opt.state_dict()
+    _steps(model, opt, 0, 1)
+    saved["foovb"]["generator"] = torch.zeros_like(saved["foovb"]["generator"])
+    _refused_load_changes_nothing(opt, model, saved, r"^cannot load the noise generator's state .*Invalid mt19937")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["float32", "float64"])
+def test_valid_state_dicts_still_load_padding_rows_included(family, dtype):
+    """The checks refuse nothing a FOOVB saves: an nn.Embedding's padding row has std 0 (its weights stay), a
+    float64 model keeps float64 tensors, and the loaded state is the saved one."""
+    def build(seed: int) -> tuple[nn.Module, FOOVB]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Embedding(5, 4, padding_idx=1), nn.Linear(4, 3)).to(dtype)
+        return model, FOOVB(model, family, 4, seed=seed, **PAPER)
+
+    model_a, opt_a = build(0)
+    tokens, labels = torch.tensor([0, 1, 2, 3, 4, 1]), torch.tensor([0, 1, 2, 0, 1, 2])
+    opt_a.step(ce_closure(model_a, tokens, labels))
+    saved = opt_a.state_dict()
+    scale = saved["state"][0]["sqrt_cov" if family == "full" else "std"]  # the embedding's (first) block
+    assert not scale.reshape(5, 4, -1)[1].any() and scale.reshape(5, 4, -1)[0].any()  # the padding row's is 0
+    model_b, opt_b = build(1)
+    opt_b.load_state_dict(saved)
+    assert _same_state_dicts(opt_b.state_dict(), saved)
+    assert all_equal(params_snapshot(model_b), params_snapshot(model_a))
 
 
 def test_load_state_dict_during_a_step_is_refused():

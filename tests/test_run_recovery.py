@@ -26,7 +26,8 @@ from foovb_suite.config import ConfigError, config_from_dict
 from foovb_suite.runner import load_learner, load_model, run
 
 # FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
-DIVERGING_FOOVB = ["learner.params.std_init=1.0", "learner.params.std_growth=paper", "learner.params.antithetic=false"]
+DIVERGING_FOOVB = ["learner.params.posterior=diagonal", "learner.params.std_init=1.0",
+                   "learner.params.std_growth=paper", "learner.params.antithetic=false"]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,7 +16,7 @@ import yaml
 from conftest import TINY
 from test_run_recovery import _checkpoint_iteration, _cli_run, _modes, _patch_observe, no_plots  # noqa: F401
 
-from foovb_suite import rundir
+from foovb_suite import rundir, runner
 from foovb_suite.config import config_from_dict
 from foovb_suite.rundir import RunDirectoryBusy, RunLock, content_digest, load_checkpoint
 from foovb_suite.runner import run
@@ -35,7 +35,7 @@ def damaged(interrupted, tmp_path):
     """A copy of the interrupted run directory, whose checkpoint a test may overwrite."""
     out = tmp_path / "r"
     out.mkdir()
-    for name in ("config.yaml", "checkpoint.pt"):
+    for name in ("config.yaml", "checkpoint.pt", "run.json"):
         (out / name).write_bytes((interrupted / name).read_bytes())
     return out
 
@@ -303,7 +303,16 @@ def test_a_checkpoint_of_another_model_is_one_error_line(config_file, damaged, t
     run(config_from_dict({**TINY, "model": {"kind": "mlp", "hidden": [8]}}), other, progress=False, stop_after=3)
     (damaged / "checkpoint.pt").write_bytes((other / "checkpoint.pt").read_bytes())
     assert _cli_run(config_file, damaged, "--resume") == 2
-    assert "does not fit this run's learner and model" in _one_error_line(capfd)
+    assert "belongs to another run" in _one_error_line(capfd)
+    # a checkpoint of version 2 records no run: its model is what gives it away
+    state = torch.load(other / "checkpoint.pt")
+    del state["run"], state["digest"]
+    state["format"] = [rundir.FORMAT, 2]
+    torch.save({**state, "digest": content_digest(state)}, damaged / "checkpoint.pt")
+    assert _cli_run(config_file, damaged, "--resume") == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "did not record its run" in err
+    assert "does not fit this run's learner and model" in err.splitlines()[-1]
 
 
 def test_ctrl_c_before_the_run_starts_is_one_line(config_file, tmp_path, capfd, monkeypatch):
@@ -327,3 +336,156 @@ def test_yaml_merge_keys_are_read_and_may_be_overridden(tmp_path):
     path.write_text(text)
     config = load_config(path)
     assert (config.scenario.num_tasks, config.scenario.batch_size) == (2, 32)
+
+
+# A checkpoint belongs to its run (issue "reliability round 3")
+
+
+def _start(out, stop_after: int = 3, **changes) -> None:
+    """A run of TINY with `changes` (top-level keys; learner params as "params"), stopped after `stop_after`
+    iterations."""
+    params = changes.pop("params", {})
+    learner = {**TINY["learner"], **changes.pop("learner", {})}
+    learner["params"] = {**learner.get("params", {}), **params}
+    config = {**TINY, **changes, "learner": learner}
+    assert run(config_from_dict(config), out, progress=False, stop_after=stop_after) == {"interrupted_at": stop_after}
+
+
+def _snapshot(run_dir) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(run_dir.iterdir()) if path.is_file()}
+
+
+def test_a_checkpoint_records_its_run_and_the_config_it_computes_with(interrupted):
+    state = torch.load(interrupted / "checkpoint.pt")
+    run_id = yaml.safe_load((interrupted / "run.json").read_text())["run_id"]
+    assert state["run"]["id"] == run_id and len(run_id) == 16
+    saved = yaml.safe_load((interrupted / "config.yaml").read_text())
+    assert state["run"]["config"]["seed"] == saved["seed"] and "threads" not in state["run"]["config"]
+
+
+def test_another_runs_valid_checkpoint_copied_in_is_refused_and_nothing_is_written(config_file, tmp_path, capfd):
+    """Seed 7's checkpoint (same architecture) in a seed-0 run directory resumed and finished with seed 7's results
+    while config.yaml said seed 0."""
+    seed0, seed7 = tmp_path / "seed0", tmp_path / "seed7"
+    _start(seed0)
+    _start(seed7, seed=7)
+    (seed0 / "checkpoint.pt").write_bytes((seed7 / "checkpoint.pt").read_bytes())
+    before = _snapshot(seed0)
+    assert _cli_run(config_file, seed0, "--resume") == 2
+    line = _one_error_line(capfd)
+    assert "belongs to another run" in line and str(seed0 / "checkpoint.pt") in line
+    assert _snapshot(seed0) == before
+
+
+def test_a_config_yaml_edited_to_match_a_changed_setting_is_refused(config_file, tmp_path, capfd):
+    """--resume refused `--set lr`, but after config.yaml was edited to match, it resumed with the checkpoint's lr
+    and config.yaml kept saying the edited one."""
+    out = tmp_path / "r"
+    _start(out, params={"mean_step": 0.05})
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    config["learner"]["params"]["mean_step"] = 0.5
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    before = _snapshot(out)
+    assert _cli_run(config_file, out, "learner.params.mean_step=0.5", "--resume") == 2
+    line = _one_error_line(capfd)
+    assert "learner.params.mean_step: checkpoint 0.05, config.yaml and command line 0.5" in line
+    assert _snapshot(out) == before
+
+
+def test_a_checkpoint_whole_run_directory_copied_elsewhere_resumes(config_file, interrupted, tmp_path):
+    """Copying a run directory (run.json with it) is the same run: it resumes."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("config.yaml", "checkpoint.pt", "run.json"):
+        (copy / name).write_bytes((interrupted / name).read_bytes())
+    assert _cli_run(config_file, copy, "--resume") == 0
+    assert (copy / "summary.json").is_file()
+
+
+def _as_version(path, version: int, change=None) -> None:
+    """Rewrite the checkpoint at `path` as an earlier foovb wrote it: version 2 (no "run"), or 1 (no format or
+    digest either), after `change(state)`."""
+    state = torch.load(path)
+    del state["run"], state["digest"], state["format"]
+    if change is not None:
+        change(state)
+    torch.save({**state, "format": [rundir.FORMAT, 2], "digest": content_digest(state)} if version == 2 else state,
+               path)
+
+
+def test_a_two_task_checkpoint_in_a_three_task_run_is_refused(config_file, tmp_path, capfd):
+    """An earlier checkpoint (no run recorded) of a 2-task run resumed as a 3-task run: a ValueError in _summary."""
+    two, three = tmp_path / "two", tmp_path / "three"
+    _start(two, stop_after=12)  # past the first task's end: an evaluation of 2 tasks recorded
+    _start(three, scenario={**TINY["scenario"], "num_tasks": 3})
+    _as_version(two / "checkpoint.pt", 2)
+    (three / "checkpoint.pt").write_bytes((two / "checkpoint.pt").read_bytes())
+    assert _cli_run(config_file, three, "scenario.num_tasks=3", "--resume") == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    assert "does not fit this run's scenario (its evaluations cover [2] tasks, this run has 3)" in err.splitlines()[-1]
+
+
+def test_nan_weights_in_a_checkpoint_without_a_digest_are_refused(config_file, tmp_path, capfd):
+    out = tmp_path / "sgd"
+    sgd = ["learner.kind=sgd", "learner.params={lr: 0.05}"]
+    _start(out, learner={"kind": "sgd", "params": {"lr": 0.05}})
+
+    def poison(state: dict) -> None:
+        weights = next(key for key in state["learner"]["model"] if key.endswith("weight"))
+        state["learner"]["model"][weights][0, 0] = float("nan")
+
+    _as_version(out / "checkpoint.pt", 1, poison)
+    assert _cli_run(config_file, out, *sgd, "--resume") == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "holds non-finite weights" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "device link"])
+def test_a_checkpoint_path_that_is_no_file_is_named_as_what_it_is(config_file, interrupted, tmp_path, capfd, kind):
+    out = tmp_path / "r"
+    out.mkdir()
+    for name in ("config.yaml", "run.json"):
+        (out / name).write_bytes((interrupted / name).read_bytes())
+    path = out / "checkpoint.pt"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    assert _cli_run(config_file, out, "--resume") == 2
+    line = _one_error_line(capfd)
+    want = {"directory": "is a directory", "fifo": "is a named pipe (fifo)",
+            "device link": "is a device (a symbolic link to /dev/zero)"}[kind]
+    assert f"{path} {want}, not a checkpoint file" in line
+    with pytest.raises(FileNotFoundError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        runner.load_learner(out)
+
+
+def test_running_out_of_inodes_says_so(config_file, damaged, capfd, monkeypatch):
+    """A file system with bytes free but no inode left was reported as MiB free."""
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_statvfs = os.statvfs
+
+    def no_inodes(path):
+        stats = real_statvfs(path)
+        return os.statvfs_result((*stats[:6], 0, 0, *stats[8:]))  # f_ffree, f_favail: 0
+
+    monkeypatch.setattr(rundir.os, "fsync", no_space)
+    monkeypatch.setattr(rundir.os, "statvfs", no_inodes)
+    assert _cli_run(config_file, damaged, "--resume") == 2
+    line = _one_error_line(capfd)
+    assert f"no space left to write {damaged}" in line and "no free inodes" in line and "MiB" not in line
+
+
+def test_a_full_disk_at_the_lock_file_names_it(config_file, tmp_path, capfd, monkeypatch):
+    """The pid written into the lock file on a full disk: 'No space left on device', no file named."""
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "write", no_space)
+    assert _cli_run(config_file, tmp_path / "r") == 2
+    assert f"no space left to write {tmp_path / 'r' / '.foovb.lock'}" in _one_error_line(capfd)

@@ -431,9 +431,11 @@ class FOOVB(torch.optim.Optimizer):
         super().__setstate__(state)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture
-        (checked before anything changes). The step sizes ("lr", the mean step, and "cov_step") are taken from
-        it, as torch optimizers do with their learning rates. The tensors are copied."""
+        """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture,
+        with valid values (`check_state_dict`: finite, stds > 0, the parameters' dtypes, a generator state torch
+        accepts), all checked before anything changes: a refused load changes nothing. The step sizes ("lr", the
+        mean step, and "cov_step") are taken from it, as torch optimizers do with their learning rates. The tensors
+        are copied."""
         if self._pending is not None:
             raise RuntimeError("load_state_dict while a step is under way (sampled_params(train=True) blocks ran, or "
                                "inside a step's closure): its samples came from the current posterior; call step() "
@@ -442,8 +444,7 @@ class FOOVB(torch.optim.Optimizer):
             raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         state_dict = dict(state_dict)
         check_state_dict(state_dict, self._fixed, len(self.param_groups[0]["params"]), self.blocks,
-                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])},
-                         self.generator.get_state())
+                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}, self.generator)
         extra = state_dict.pop("foovb")
         state_dict["param_groups"] = [{**LEGACY_FIXED, **group} for group in state_dict["param_groups"]]
         super().load_state_dict(state_dict)

@@ -72,14 +72,15 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
-from .posteriors import FAMILIES
+from .posteriors import FAMILIES, PosteriorBlock
 from .priors import AUTO, XAVIER
 from .validation import is_boolean, is_integer, is_real
 
 __all__ = ["FAMILY_ONLY", "POSTERIORS", "FIXED", "LEGACY_FIXED", "PRESETS", "check_batch_size", "check_param_group",
-           "check_state_dict", "check_step_sizes", "resolve", "validate"]
+           "check_block_state", "check_state_dict", "check_step_sizes", "resolve", "validate"]
 
 INITS = ("paper", "bgd", "alpha", "keep")
 STD_GROWTH = ("paper", "capped", "none")
@@ -186,12 +187,19 @@ def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict
     return {**PRESETS[preset][posterior], **given}
 
 
-def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list, index: dict[int, int],
-                     generator_state: Tensor) -> None:
+# The matrix square roots of covariances in a block's state (KroneckerBlock's factors, FullBlock's); DiagonalBlock's
+# elementwise one is its "std"
+SQRT_COVS = ("input_sqrt_cov", "output_sqrt_cov", "sqrt_cov")
+
+
+def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
+                     index: dict[int, int], generator: torch.Generator) -> None:
     """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture
-    (`num_params` trainable tensors; each block's state of the same shapes, `index`: id(param) -> its position),
-    with a noise generator's state like `generator_state` and a step count."""
+    (`num_params` trainable tensors; each block's state of the same shapes and values it could hold:
+    `check_block_state`; `index`: id(param) -> its position), with a state that a generator like `generator`
+    accepts and a step count. Nothing is changed: a load that passes cannot be refused half-way."""
     progress = state_dict["foovb"]
+    generator_state = generator.get_state()
     if not (isinstance(progress, dict) and isinstance(progress.get("generator"), Tensor)
             and progress["generator"].dtype == generator_state.dtype
             and progress["generator"].shape == generator_state.shape
@@ -199,6 +207,11 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
         raise ValueError("not a FOOVB state dict: its 'foovb' entry must hold the noise generator's state (a "
                          f"{tuple(generator_state.shape)} uint8 tensor, 'generator') and the steps taken (an int "
                          "'steps_taken' >= 0)")
+    try:  # on a scratch generator: set_state is the only full check of a state
+        torch.Generator(device=generator.device).set_state(progress["generator"])
+    except RuntimeError as error:
+        raise ValueError(f"cannot load the noise generator's state (state_dict['foovb']['generator']): torch "
+                         f"refused it ({str(error).splitlines()[0]}); nothing was loaded") from None
     groups = state_dict["param_groups"]
     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
         raise ValueError("not a FOOVB state dict: 'param_groups' must be a list of dicts")
@@ -214,15 +227,46 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
                          "build the optimizer with the saved settings")
     check_step_sizes(groups[0].get("lr"), groups[0].get("cov_step"), ("lr (mean_step)", "cov_step"))
     for block in blocks:
-        saved = state_dict["state"].get(index[id(block.params[0])], {})
-        for key, value in block.state.items():
-            if key in block.optional_state:
-                continue
-            if not isinstance(saved.get(key), Tensor) or tuple(saved[key].shape) != tuple(value.shape):
-                found = tuple(saved[key].shape) if isinstance(saved.get(key), Tensor) else saved.get(key, "missing")
-                raise ValueError(f"the state dict does not fit this model: the {block.family} posterior of "
-                                 f"a {tuple(block.params[0].shape)} parameter needs {key!r} of shape "
-                                 f"{tuple(value.shape)}, found {found}")
+        position = index[id(block.params[0])]
+        check_block_state(block, position, state_dict["state"].get(position, {}))
+
+
+def check_block_state(block: PosteriorBlock, position: int, saved: dict) -> None:
+    """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
+    the block keeps (and each optional running statistic present, in the mean's shape) of its shape and of its
+    dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
+    own is (0 only where this optimizer has it 0: an nn.Embedding's padding row, `priors._fix_padding_row`); a
+    matrix square root of a covariance not all zero unless the block's own is (the matrix-variate factors never
+    are: Lemma 2 keeps them nonsingular). O(size): no decomposition."""
+    name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
+    own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
+    own_state.update({key: block.state["mean"] for key in block.optional_state if key in saved})
+    for key, own in own_state.items():
+        value = saved.get(key)
+        if not isinstance(value, Tensor) or value.shape != own.shape:
+            found = tuple(value.shape) if isinstance(value, Tensor) else saved.get(key, "missing")
+            raise ValueError(f"the state dict does not fit this model: {name} needs {key!r} of shape "
+                             f"{tuple(own.shape)}, found {found}")
+        problem = _value_problem(key, value, own)
+        if problem:
+            raise ValueError(f"cannot load {name}: its {key!r} {problem}; nothing was loaded")
+
+
+def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
+    """What is wrong with `value`, to be loaded as the block's `key` whose current tensor is `own`, or None."""
+    if value.dtype != own.dtype:
+        return f"is {value.dtype}, this optimizer keeps {own.dtype} (the parameter's dtype; a state dict is not cast)"
+    non_finite = int((~torch.isfinite(value)).sum())
+    if non_finite:
+        return f"has NaN or Inf in {non_finite} of its {value.numel()} entries"
+    if key == "std":
+        not_positive = int(((value < 0) | ((value == 0) & (own != 0).to(value.device))).sum())
+        if not_positive:
+            return (f"is negative, or 0 where this optimizer's is not, in {not_positive} of its {value.numel()} "
+                    "entries (a posterior std is > 0; 0 only on an nn.Embedding's padding row)")
+    if key in SQRT_COVS and not value.any() and own.any():
+        return "is all zero (a square root of a covariance, singular)"
+    return None
 
 
 def check_param_group(group: dict, fixed: dict) -> None:

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 from numpy.typing import ArrayLike
 
-from .rundir import write_atomically
+from .rundir import make_directory, write_atomically
 
 Curve = tuple[ArrayLike, ArrayLike]
 
@@ -26,7 +26,7 @@ Curve = tuple[ArrayLike, ArrayLike]
 def _save(figure: Figure, path: str | os.PathLike[str], tight_layout: bool = True) -> Path:
     """Render the PNG in memory, then write it whole (a killed run or a full disk never leaves half a file)."""
     output_path = Path(path)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(output_path.parent)
     if tight_layout:
         figure.tight_layout()
     png = io.BytesIO()

@@ -4,6 +4,8 @@ atomically with a format version and a digest of their content (checked on load)
 A checkpoint is a plain `torch.save` dict (torch.load's default weights_only=True reads it) with two more entries:
 "format" (`FORMAT`, `VERSION`) and "digest", the SHA-256 of everything else in it (`content_digest`: every tensor's
 dtype, shape and bytes, every Python value), so that altered bytes inside a valid file are found, not trained on.
+From version 3 it also records what it belongs to: "run", the identity drawn when its run started and the config that
+run computes with (the runner refuses to resume it in another run's directory or under another config).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,12 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "FORMAT", "RunDirectoryBusy", "RunLock", "VERSION", "content_digest", "load_checkpoint",
-           "save_checkpoint", "send_to_devnull", "write_atomically"]
+           "make_directory", "not_a_file", "save_checkpoint", "send_to_devnull", "write_atomically"]
 
 FORMAT = "foovb-run-checkpoint"
-VERSION = 2  # 1: the checkpoints of foovb 1.0, without "format" and "digest" (read, not verified)
+# 1: the checkpoints of foovb 1.0, without "format" and "digest" (read, not verified); 2: without "run" (read, their
+# run not verified); 3: with "run"
+VERSION = 3
 _REQUIRED = ("learner", "iteration", "records", "train_seconds", "stds")
 
 
@@ -70,6 +75,49 @@ def send_to_devnull(fd: int) -> None:
     os.close(null)
 
 
+def not_a_file(path: Path) -> str | None:
+    """What `path` is when it exists but is no regular file (following symbolic links): a directory, a named pipe, a
+    device, a socket or a broken link; None for a regular file or nothing at all."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"a symbolic link to {os.readlink(path)}, which does not exist" if os.path.islink(path) else None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (fifo)"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), None)
+    if kind is not None and os.path.islink(path):
+        kind += f" (a symbolic link to {os.readlink(path)})"
+    return kind
+
+
+def write_error(error: OSError, path: Path, size: int, kept: str = "") -> OSError:
+    """The OSError to raise for a failed write of `size` bytes to `path`: it names the file and, on a full file
+    system, what ran out (the bytes, or the inodes: no file can be created however many bytes are free)."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(error.errno, f"cannot write {path}: {error.strerror or error}{kept}")
+    try:
+        space = os.statvfs(path.parent)
+        inodes_out = space.f_files > 0 and space.f_favail == 0
+        free = space.f_bavail * space.f_frsize / 2**20
+    except OSError:
+        inodes_out, free = False, shutil.disk_usage(path.parent).free / 2**20
+    needed = f"{size} bytes" if size < 2**20 else f"{size / 2**20:.1f} MiB"
+    detail = ("no free inodes (file entries) are left on its file system" if inodes_out
+              else f"{needed} needed, {free:.1f} MiB free")
+    return OSError(error.errno, f"no space left to write {path} ({detail}){kept}")
+
+
+def make_directory(path: Path) -> None:
+    """`path` and its parents as directories (existing ones kept); a failure is an OSError naming `path` and, on a
+    full file system, what ran out (`write_error`)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OSError(errno.EEXIST, f"cannot create the directory {path}: a file of that name is in the way") from None
+    except OSError as error:
+        raise write_error(error, path, 0) from error
+
+
 def write_atomically(data: bytes, path: Path) -> None:
     """`path` holds `data` or what it held before, never a part: a temporary file, flushed to disk, then renamed.
     A full disk or a refused write leaves no temporary file and raises an OSError that says so."""
@@ -84,11 +132,7 @@ def write_atomically(data: bytes, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         if not isinstance(error, OSError):
             raise
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            free = shutil.disk_usage(path.parent).free / 2**20
-            raise OSError(error.errno, f"no space left to write {path} ({len(data) / 2**20:.1f} MiB needed, "
-                                       f"{free:.1f} MiB free); what it held before is kept") from error
-        raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") from error
+        raise write_error(error, path, len(data), "; what it held before is kept") from error
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:
@@ -102,8 +146,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint written by `save_checkpoint`, its digest checked (one of foovb 1.0, without a digest, is read
     with a warning). Anything else is a `CheckpointError` that names the file and what to do."""
     advice = ("start the run again in another directory (--out), or restore the file from a backup")
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a directory, not a checkpoint file; {advice}")
+    kind = not_a_file(path)
+    if kind is not None:
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file; {advice}")
     with open(path, "rb") as handle:
         if handle.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
             raise CheckpointError(f"{path} is not a readable foovb checkpoint (not a torch checkpoint file: empty, "
@@ -132,6 +177,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if state.pop("digest", None) != content_digest(state):
         raise CheckpointError(f"{path} was altered after it was written (its content does not match its digest); "
                               f"{advice}")
+    run = state.get("run")
+    if found[1] >= 3 and not (isinstance(run, dict) and isinstance(run.get("id"), str)
+                              and isinstance(run.get("config"), dict)):
+        raise CheckpointError(f"{path} is not a foovb run checkpoint (its 'run' entry, the run it belongs to, is "
+                              f"missing or malformed); {advice}")
     return state
 
 
@@ -151,7 +201,7 @@ class RunLock:
             import fcntl  # noqa: F401
         except ImportError:  # pragma: no cover - Windows
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path.parent)
         self.handle = self._acquire()
         return self
 
@@ -160,7 +210,10 @@ class RunLock:
         import fcntl
 
         while True:
-            handle = open(self.path, "a+")  # noqa: SIM115 - held for the life of the run
+            try:
+                handle = open(self.path, "a+")  # noqa: SIM115 - held for the life of the run
+            except OSError as error:  # no inode left, a read-only directory: the error names the lock file
+                raise write_error(error, self.path, 0) from error
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,8 +226,10 @@ class RunLock:
                 if self._is_locked_file(handle):  # not removed or replaced between open and flock: ours
                     handle.seek(0)
                     handle.truncate()
-                    handle.write(f"{os.getpid()}\n")
-                    handle.flush()
+                    try:  # unbuffered, so that closing the handle after a failed write does not fail again
+                        os.write(handle.fileno(), f"{os.getpid()}\n".encode())
+                    except OSError as error:  # a full disk: the error names the lock file
+                        raise write_error(error, self.path, 16) from error
                     return handle
             except BaseException:
                 handle.close()

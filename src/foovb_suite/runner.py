@@ -2,15 +2,17 @@
 
 Run directory layout:
     config.yaml              the resolved config
+    run.json                 the run's identity, drawn when it started ({"run_id": ...}); every checkpoint records it
+                             and the config it computes with, and --resume refuses a checkpoint of another run
     metrics.jsonl            one record per evaluation (iteration, stage, per-task accuracy per mode, NLL, ECE),
                              rewritten after every evaluation: readable while the run goes on
     metrics.csv              the same, one row per (evaluation, task, mode)
     accuracy_matrix_<mode>.csv   rows: evaluations, columns: tasks
     summary.json             final average / first-task accuracy, forgetting, BWT per mode, timing, hardware, device
     stds.npz                 posterior STDs at every evaluation (Bayesian learners)
-    checkpoint.pt            learner state + iteration + records + STDs (for --resume, `load_learner` and
-                             `load_model`); tensors and plain Python values only: torch.load's default
-                             weights_only=True loads it
+    checkpoint.pt            learner state + iteration + records + STDs + the run it belongs to (for --resume,
+                             `load_learner` and `load_model`); tensors and plain Python values only: torch.load's
+                             default weights_only=True loads it
     plots/*.png              average accuracy, first-task accuracy, accuracy matrix, STD histograms, schedule
 """
 
@@ -24,6 +26,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import signal
 import sys
 import threading
@@ -54,7 +57,16 @@ from .config import (
 )
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
 from .metrics import ACCURACY_MODES, PROBABILITY_MODES
-from .rundir import CheckpointError, RunLock, load_checkpoint, save_checkpoint, send_to_devnull, write_atomically
+from .rundir import (
+    CheckpointError,
+    RunLock,
+    load_checkpoint,
+    make_directory,
+    not_a_file,
+    save_checkpoint,
+    send_to_devnull,
+    write_atomically,
+)
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -327,6 +339,85 @@ def _load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+RUN_FILE = "run.json"
+
+
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {"learner.params.lr": 0.05, ...}."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | None, computed: dict[str, Any],
+                  scenario) -> str:
+    """The identity of the run in `run_dir`: a new one for a new run; on --resume, the one run.json holds, after
+    checking that the checkpoint `state` belongs to it: the same identity, the same computed config as config.yaml
+    and the command line (`computed`), records that fit this scenario. A checkpoint of another run, copied in, or
+    one written under another config (config.yaml edited since) is a CheckpointError naming what differs."""
+    advice = "resume it in its own run directory, or start a new run in another directory (--out)"
+    recorded = _read_run_id(run_dir)
+    if state is None:
+        return secrets.token_hex(8)
+    _check_records(state, scenario, checkpoint_path)
+    run = state.get("run")
+    if run is None:  # a checkpoint written before checkpoints recorded their run
+        print(f"foovb: warning: {checkpoint_path} was written by an earlier foovb that did not record its run: "
+              f"that it belongs to this directory is not verified", file=sys.stderr)
+        return recorded or secrets.token_hex(8)
+    if run["id"] != recorded:
+        here = f"this directory's {RUN_FILE} says {recorded}" if recorded else f"this directory has no {RUN_FILE}"
+        raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; {here}): it "
+                              f"was copied from another run directory; {advice}")
+    saved, here = _flatten(run["config"]), _flatten(computed)
+    changed = sorted(key for key in saved.keys() | here.keys() if saved.get(key) != here.get(key))
+    if changed:
+        details = "; ".join(f"{key}: checkpoint {saved.get(key, '(absent)')!r}, config.yaml and command line "
+                            f"{here.get(key, '(absent)')!r}" for key in changed[:6])
+        raise CheckpointError(f"--resume: {checkpoint_path} was written under another config than "
+                              f"{run_dir / 'config.yaml'} says ({details}{'; ...' if len(changed) > 6 else ''}): "
+                              f"config.yaml was edited after the run started; restore it, or start a new run")
+    return recorded
+
+
+def _read_run_id(run_dir: Path) -> str | None:
+    """The identity in `run_dir`'s run.json (None: no such file); a CheckpointError for a damaged one."""
+    path = run_dir / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is not a run identity file ({{\"run_id\": ...}}): {error}") from None
+    if not isinstance(run_id, str):
+        raise CheckpointError(f"{path} is not a run identity file: its run_id is {run_id!r}")
+    return run_id
+
+
+def _check_records(state: dict[str, Any], scenario, path: Path) -> None:
+    """A CheckpointError unless the checkpoint's iteration and evaluation records fit `scenario` (its number of
+    tasks and iterations): a checkpoint of a run with other tasks."""
+    num_tasks, num_iterations = scenario.num_tasks, scenario.num_iterations
+    problem = None
+    if not (isinstance(state["iteration"], int) and 0 <= state["iteration"] <= num_iterations):
+        problem = f"it stopped at iteration {state['iteration']!r}, this run has {num_iterations}"
+    for record in state["records"] if isinstance(state["records"], list) else [None]:
+        if problem is not None:
+            break
+        try:
+            widths = {len(values) for values in record["accuracy"].values()}
+            if widths != {num_tasks} or not 0 <= record["stage"] < num_tasks:
+                problem = f"its evaluations cover {sorted(widths)} tasks, this run has {num_tasks}"
+        except (TypeError, KeyError, AttributeError):
+            problem = "its evaluation records are malformed"
+    if problem is not None:
+        raise CheckpointError(f"{path} does not fit this run's scenario ({problem}): resume it with the config it "
+                              "was written with, or start a new run")
+
+
 def _load_learner_state(learner: Learner, state: dict[str, Any], path: Path) -> None:
     """The checkpoint's learner state into `learner`; a state of another model or learner is a CheckpointError."""
     try:
@@ -335,6 +426,10 @@ def _load_learner_state(learner: Learner, state: dict[str, Any], path: Path) -> 
         raise CheckpointError(f"{path} does not fit this run's learner and model ({' '.join(str(error).split())}): "
                               "resume it with the config it was written with (the run directory's config.yaml), "
                               "or start a new run") from error
+    bad = next((name for name, p in learner.model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise CheckpointError(f"{path} holds non-finite weights ({bad}): no run checkpoints such weights, so the file "
+                              "was altered or written by something else; start a new run, or restore the file")
 
 
 class _TrainingLoop:
@@ -342,8 +437,10 @@ class _TrainingLoop:
     evaluations and every `checkpoint_every` iterations), and stop cleanly on divergence and Ctrl-C."""
 
     def __init__(self, config: Config, scenario, learner: Learner, device: torch.device, checkpoint_path: Path,
-                 main_process: bool, state: dict[str, Any] | None, confirm_lock: Callable[[], None]):
+                 main_process: bool, state: dict[str, Any] | None, confirm_lock: Callable[[], None],
+                 run: dict[str, Any]):
         self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
+        self.run = run  # what every checkpoint records it belongs to: the run's identity and computed config
         self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
         state = state or {"iteration": 0, "records": [], "train_seconds": 0.0, "stds": {}}
@@ -365,7 +462,8 @@ class _TrainingLoop:
             self.confirm_lock()  # never two runs writing one directory (RunLock.confirm)
             stds = {key: torch.from_numpy(value) for key, value in self.stds.items()}
             save_checkpoint({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
-                             "train_seconds": self.train_seconds, "stds": stds}, self.checkpoint_path)
+                             "train_seconds": self.train_seconds, "stds": stds, "run": self.run},
+                            self.checkpoint_path)
             self.saved_at = iteration
         self.tic = self.saved_tic = time.perf_counter()
 
@@ -506,7 +604,9 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     # error names the key, not "already holds a finished run")
     learner = build_learner(config, scenario, device)
     if resume and not (run_dir / "checkpoint.pt").is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {run_dir / 'checkpoint.pt'}")
+        kind = not_a_file(run_dir / "checkpoint.pt")
+        raise FileNotFoundError(f"--resume: {run_dir / 'checkpoint.pt'} is {kind}, not a checkpoint file" if kind
+                                else f"--resume: no checkpoint at {run_dir / 'checkpoint.pt'}")
     with RunLock(run_dir) if main_process else contextlib.nullcontext() as lock:  # one writer per run directory
         return _run_locked(config, run_dir, scenario, learner, device, distributed_run, main_process, resume=resume,
                            progress=progress, stop_after=stop_after,
@@ -532,6 +632,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} and "
                               f"{', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
+    run_id = _run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), scenario)
     if state is not None:
         _load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
@@ -540,10 +641,13 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         except ValueError as error:  # fewer samples than processes, or processes built with different settings
             raise ConfigError(f"torchrun: {error}") from None
     if main_process:
-        (run_dir / "plots").mkdir(parents=True, exist_ok=True)
+        make_directory(run_dir / "plots")
         confirm_lock()
+        if not (run_dir / RUN_FILE).is_file():  # a new run, or one begun before runs had an identity
+            _write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock)
+    loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock,
+                         {"id": run_id, "config": what_it_computes(resolved)})
     bar = None
     if progress and main_process:
         from tqdm import tqdm
@@ -720,7 +824,9 @@ def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Lea
     run_dir = Path(run_dir)
     checkpoint_path = run_dir / "checkpoint.pt"
     if not checkpoint_path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no {checkpoint_path.name} (not a run directory, or a run stopped "
+        kind = not_a_file(checkpoint_path)
+        raise FileNotFoundError(f"{checkpoint_path} is {kind}, not a checkpoint file" if kind else
+                                f"{run_dir} has no {checkpoint_path.name} (not a run directory, or a run stopped "
                                 "before its first checkpoint)")
     config = saved_config(run_dir)
     with torch.random.fork_rng(devices=[]):  # build_learner seeds the model's initialisation
