@@ -399,3 +399,17 @@ def test_symmetric_psd_t_in_frame_of_a_gives_matrix_diagonal_formula(seed):
     scale = (v * (torch.sqrt(1 + w**2 / 4) - w / 2)) @ v.T
     expected = a @ scale @ scale @ a.T
     torch.testing.assert_close(new @ new.T, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("rank", [2, 40])
+def test_also_scaled_is_the_solution_for_the_scaled_statistic(rank):
+    """One decomposition gives the solutions for T and for r T (the implicit mean step's tempered covariance)."""
+    gen = make_generator(3)
+    a = random_sqrt(30, gen).to(torch.float64)
+    t = LowRank()
+    t.add(torch.randn(rank, 30, generator=gen, dtype=torch.float64), torch.randn(rank, 30, generator=gen,
+                                                                                  dtype=torch.float64))
+    new, scaled = sqrt_covariance_update(a, t, also_scaled=2.5)
+    torch.testing.assert_close(new, sqrt_covariance_update(a, t))
+    want = sqrt_covariance_update(a, t.scaled(2.5))
+    torch.testing.assert_close(scaled @ scaled.T, want @ want.T)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from foovb import FOOVB
+from foovb.linalg import root_scale
 
 
 def quadratic_step(curvature: torch.Tensor, target: torch.Tensor, implicit_mean: bool, steps: int = 1,
@@ -54,6 +55,25 @@ def test_the_implicit_step_is_bounded_by_the_measured_curvature_where_the_paper_
     assert (explicit.weight[0].detach() - target).abs().min() > 20  # overshot by eta V H = 25 .. 250,000 times
     move = implicit.weight[0].detach()  # from 0 towards 1: a fraction of the distance, at most the bound
     assert bool(((move > 0) & (move <= bound + 1e-6)).all())
+
+
+@pytest.mark.parametrize("cov_step", [0.05, 0.1, 0.3])
+def test_a_small_beta_steps_with_the_tempered_covariance_and_never_overshoots(cov_step):
+    """With beta below 0.385 eta the implicit step takes the covariance of the likelihood raised to
+    gamma = 0.385 eta (`step_tempering`): at most the distance to the minimum of the quadratic the step measured,
+    where beta's own covariance moves a weight up to 0.385 / beta of it (3.9 times at beta 0.1); the posterior kept
+    is beta's."""
+    curvature = torch.tensor([1.0, 10.0, 1e2, 1e4])
+    target = torch.ones(4)
+    opt, layer = quadratic_step(curvature, target, implicit_mean=True, cov_step=cov_step)
+    new_std = opt.posterior(layer.weight).std[0] / 0.5  # h(x), x = beta sigma E[g eps] = beta sigma^2 c eps^2
+    measured = (1 - new_std.square()) / new_std / (cov_step * 0.25)  # c eps^2 (K = 2): the curvature measured
+    gamma = 2 / (3 * math.sqrt(3))  # eta = 1
+    step_var = (0.5 * root_scale(gamma * 0.25 * measured)).square()
+    torch.testing.assert_close(layer.weight[0].detach(), step_var * curvature * target, rtol=1e-4, atol=1e-6)
+    assert bool((step_var * measured <= 1 + 1e-5).all())  # at most the distance, on the measured quadratic
+    own_var = (0.5 * new_std).square()  # beta's covariance: a step of 0.385 / beta of the distance for large s
+    assert (own_var * measured).max() > 1.2
 
 
 def test_the_implicit_step_approaches_a_stiff_quadratic_where_the_paper_step_overshoots():

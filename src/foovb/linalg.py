@@ -179,7 +179,8 @@ def left_singular_pairs(matrix: Tensor, *, gram: bool) -> tuple[Tensor, Tensor]:
 
 
 def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype = torch.float64,
-                           gram: bool | None = None) -> Tensor:
+                           gram: bool | None = None,
+                           also_scaled: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """New square root of the covariance after one fixed-point step (Algorithms 2 and 3).
 
     Given the prior's square root A (V = A A^T) and T = E[g eps^T] (or the matrix-variate E2 / E3), returns
@@ -192,7 +193,8 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     1-Lipschitz), stays below float32 rounding (6e-8) while s_max < 4 (the layers of the benchmarks stay below 2);
     a float64 A gets SVDs. `gram` overrides that choice. Measured at width 1000 (benchmarks/update_routes.py):
     decomposing in float32 makes the UPDATE 10% (SVD) to 36% (Gram) faster there but its error 2.5 to 33 times
-    larger, beyond the tests' float32 bound (docs/performance.md), so it is not used.
+    larger, beyond the tests' float32 bound (docs/performance.md), so it is not used. `also_scaled=r`: also returns
+    the solution for r T, from the same decomposition (the singular values of A^T r T are r s).
     """
     if gram is None:
         gram = sqrt_cov.dtype != torch.float64  # Gram route for float32 / float16 factors
@@ -208,4 +210,8 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
         u_small, s = left_singular_pairs(core, gram=gram)
         u = q_z.to(a.dtype) @ u_small.to(a.dtype)
     u = u.to(a.dtype)
-    return a + ((a @ u) * (root_scale(s) - 1.0).to(a.dtype)) @ u.T
+    a_u = a @ u
+    new = a + (a_u * (root_scale(s) - 1.0).to(a.dtype)) @ u.T
+    if also_scaled is None:
+        return new
+    return new, a + (a_u * (root_scale(s * also_scaled) - 1.0).to(a.dtype)) @ u.T

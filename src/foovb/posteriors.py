@@ -74,6 +74,20 @@ class PosteriorView:
         return self._covariance()
 
 
+# On a quadratic the implicit mean step moves a weight by eta sigma_new^2 h of its distance to the minimum, and
+# sigma_new^2 h = s h(s)^2 / beta with s h(s)^2 <= 2 / (3 sqrt(3)) (docs/theory.md, "The implicit mean step")
+IMPLICIT_STEP_BOUND = 2 / (3 * math.sqrt(3))
+
+
+def step_tempering(mean_step: float, cov_step: float) -> float:
+    """gamma / beta for the implicit mean step's covariance: the posterior's fixed point for the likelihood raised to
+    gamma = max(beta, eta 2 / (3 sqrt(3))) instead of beta, so that on a quadratic a step moves each weight at most
+    its distance to the minimum (eta sigma_gamma^2 h <= 0.385 eta / gamma <= 1), whatever beta. Where beta is the
+    larger (the recommended preset: beta 0.5, eta <= 1) it is 1: the step is the posterior's own. Once the
+    likelihood dominates the prior, sigma_gamma^-2 ~ n beta h + gamma h ~ sigma^-2: later steps are unchanged."""
+    return max(1.0, IMPLICIT_STEP_BOUND * mean_step / cov_step) if cov_step > 0 else 1.0
+
+
 def signed_root_scale(x: Tensor) -> Tensor:
     """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation and without branches (boolean masks cost
     more than the arithmetic here): with h = x/2, q = sqrt(1 + h^2), p = max(h, 0), n = min(h, 0), the value
@@ -248,6 +262,11 @@ class DiagonalBlock(PosteriorBlock):
         # E[g eps] / 2, then mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K) with the prior's sigma (Algorithm 4)
         # or the updated one (implicit_mean)
         variance = None if self.implicit_mean else std.square()
+        tempering = step_tempering(mean_step, cov_step)
+        if self.implicit_mean and tempering > 1:  # the mean step's sigma, for gamma E[g eps] (step_tempering)
+            scaled = std * grad_noise_mean * tempering
+            variance = std * (root_scale(scaled.abs_()) if self.std_growth == "none" else signed_root_scale(scaled))
+            variance.square_()
         if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
             std.mul_(root_scale(torch.mul(std, grad_noise_mean).abs_()))
         else:
@@ -256,6 +275,7 @@ class DiagonalBlock(PosteriorBlock):
                 std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
+        if self.implicit_mean:
             if self.curvature_damping:
                 variance.mul_(self.damping(curvature, spread, mean_step))
         self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
@@ -394,10 +414,15 @@ class KroneckerBlock(PosteriorBlock):
         e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))
         # A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2); Eq. "Kronecker-factored necessary conditions":
         # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
-        new_a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
-        new_b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
-        if self.implicit_mean:
-            a, b = new_a, new_b
+        tempering = step_tempering(mean_step, cov_step)
+        if self.implicit_mean and tempering > 1:  # the mean step's factors, for gamma E2 and E3 (step_tempering)
+            self.state["input_sqrt_cov"], a = sqrt_covariance_update(a, e2, also_scaled=tempering)
+            self.state["output_sqrt_cov"], b = sqrt_covariance_update(b, e3, also_scaled=tempering)
+        else:
+            new_a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
+            new_b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
+            if self.implicit_mean:
+                a, b = new_a, new_b
         mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
     def mean_values(self) -> list[Tensor]:
@@ -457,9 +482,14 @@ class FullBlock(PosteriorBlock):
         a = self.state["sqrt_cov"]
         # A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2); Eq. "Gaussian first order necessary
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
-        new_a = self.state["sqrt_cov"] = sqrt_covariance_update(a, stats["grad_noise"].scaled(cov_step / num_samples))
-        if self.implicit_mean:
-            a = new_a
+        grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
+        tempering = step_tempering(mean_step, cov_step)
+        if self.implicit_mean and tempering > 1:  # the mean step's factor, for gamma E2 (step_tempering)
+            self.state["sqrt_cov"], a = sqrt_covariance_update(a, grad_noise, also_scaled=tempering)
+        else:
+            new_a = self.state["sqrt_cov"] = sqrt_covariance_update(a, grad_noise)
+            if self.implicit_mean:
+                a = new_a
         self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
 
     def mean_values(self) -> list[Tensor]:

@@ -46,7 +46,9 @@ The arguments of FOOVB:
         and (V^{-1} + H)^{-1} is the covariance's fixed point: Sigma. Each step is then bounded by the curvature
         the step measured (eta Sigma H <= 2 eta / (3 sqrt(3) beta) ~ 0.385 eta / beta per diagonal entry of a
         quadratic: docs/theory.md), where the prior's V moves a weight by eta V H, unbounded for a prior wide
-        against the likelihood (an extension).
+        against the likelihood (an extension). Where beta < 0.385 eta the step takes the covariance for the
+        likelihood raised to gamma = 0.385 eta instead (the posterior kept is beta's), so that a step never passes a
+        quadratic's measured minimum (`posteriors.step_tempering`).
     curvature_damping: diagonal family, with implicit_mean: scale each block's mean step by min(1, 1 / (eta rho)),
         rho a Rayleigh quotient of sigma' H sigma' estimated from the step's samples (sum_k ||sigma' (g_k - E[g])||^2
         over sum_k (sigma eps_k) . (g_k - E[g])), which sees the coupling between the weights of a block that mean
