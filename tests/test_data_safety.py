@@ -18,6 +18,7 @@ import os
 import pickle
 import shutil
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -388,3 +389,132 @@ def test_the_hard_coded_mnist_sums_are_the_embedded_ones():
     if SHARED_FASHION_MNIST is not None:
         shared = (SHARED_FASHION_MNIST / "MD5SUMS.uncompressed").read_text().splitlines()
         assert KNOWN_IDX_MD5["Fashion-MNIST"] == dict(line.split()[::-1] for line in shared)
+
+
+# --- sizes the header announces: gzip bombs, absurd shapes (issue "no input reaches a traceback") --------------
+
+
+def write_gzip_bomb(path: Path, announced: np.ndarray, zeros_mib: int) -> None:
+    """A valid IDX header and data of ``announced``, then ``zeros_mib`` MiB of zeros the header does not announce:
+    ~100 kB on disk per 100 MiB decompressed."""
+    with gzip.GzipFile(path, "wb", compresslevel=9) as bomb:
+        bomb.write(idx_bytes(announced))
+        zeros = bytes(1 << 20)
+        for _ in range(zeros_mib):
+            bomb.write(zeros)
+
+
+@pytest.mark.parametrize("loader", ["notmnist", "mnist"])
+def test_a_gzip_bomb_is_refused_without_decompressing_it(tmp_path, loader):
+    """5 images announced, 100 MiB of zeros after them. Before: gunzipped whole (a 2 GiB one peaked at 4.5 GB RSS,
+    a larger one raised MemoryError), then refused by size; now the read stops one byte past the announced size."""
+    folder = tmp_path / loader
+    arrays = write_idx_files(folder, seed=11)
+    write_md5sums(folder, arrays)
+    bomb = folder / "train-images-idx3-ubyte.gz"
+    write_gzip_bomb(bomb, arrays[0], zeros_mib=100)
+    assert bomb.stat().st_size < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as error:
+            load_dataset("notmnist", tmp_path) if loader == "notmnist" else load_mnist(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(error.value).startswith(
+        f"{bomb}: IDX header announces shape (5, 28, 28) (3936 bytes) but the file has more (the rest is refused "
+        "unread); "
+    )
+    if loader == "notmnist":
+        assert_names_file_and_remedy(str(error.value), bomb, "notmnist", tmp_path)
+    assert peak < 5 * 2**20, f"peak of {peak} bytes traced while refusing the bomb"
+
+
+def test_an_idx_file_shorter_than_its_header_is_refused(tmp_path):
+    """Ten images announced, five there: the read stops at the end of the stream, naming both sizes."""
+    folder = tmp_path / "notmnist"
+    arrays = write_idx_files(folder, seed=12)
+    short = folder / "train-images-idx3-ubyte.gz"
+    content = bytearray(idx_bytes(arrays[0]))
+    content[4:8] = (10).to_bytes(4, "big")
+    short.write_bytes(gzip.compress(bytes(content)))
+    with pytest.raises(ValueError) as error:
+        load_dataset("notmnist", tmp_path)
+    assert str(error.value).startswith(
+        f"{short}: IDX header announces shape (10, 28, 28) (7856 bytes) but the file has 3936 bytes; "
+    )
+    assert_names_file_and_remedy(str(error.value), short, "notmnist", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("file_name", "shape"),
+    [
+        ("train-images-idx3-ubyte.gz", (1, 2**31, 2**31)),
+        ("train-images-idx3-ubyte.gz", (2**32 - 1,) * 3),  # 2**96 bytes: numpy's int64 product wraps around
+        ("train-images-idx3-ubyte", (2**32 - 1,) * 3),  # stored gunzipped
+        ("t10k-labels-idx1-ubyte.gz", (2**32 - 1,)),  # 4 GiB of labels
+    ],
+)
+def test_an_idx_header_with_an_absurd_shape_is_refused_unread(tmp_path, monkeypatch, file_name, shape):
+    """Before: the whole file was read and its length compared with a product that could overflow; now nothing
+    past the header is read (every read of the gzip stream is recorded)."""
+    folder = tmp_path / "notmnist"
+    write_idx_files(folder, seed=13)
+    target = folder / file_name
+    (folder / f"{file_name.removesuffix('.gz')}.gz").unlink()
+    content = bytes([0, 0, 0x08, len(shape)]) + b"".join(size.to_bytes(4, "big") for size in shape) + bytes(64)
+    target.write_bytes(gzip.compress(content) if file_name.endswith(".gz") else content)
+    read_sizes = []
+
+    class RecordingGzipFile(gzip.GzipFile):
+        def read(self, size: int = -1) -> bytes:
+            read_sizes.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr(gzip, "GzipFile", RecordingGzipFile)
+    with pytest.raises(ValueError) as error:
+        load_dataset("notmnist", tmp_path)
+    data_size = int(np.prod(shape, dtype=object))
+    assert str(error.value).startswith(
+        f"{target}: IDX header announces shape {shape} ({data_size} bytes of data), more than the 1073741824 bytes "
+        "an IDX file of these datasets may hold (refused unread); "
+    )
+    assert_names_file_and_remedy(str(error.value), target, "notmnist", tmp_path)
+    if file_name.endswith(".gz"):
+        assert read_sizes[-1] == 4 + 4 * len(shape)  # the header, and nothing after it
+
+
+def test_an_idx_file_larger_than_the_available_memory_is_refused_unread(tmp_path, monkeypatch):
+    """The bound by memory: the data (5 x 28 x 28 = 3920 bytes) is read into bytes and copied into an array."""
+    from foovb_suite.data import mnist
+
+    assert mnist.available_memory() > 0  # /proc/meminfo's MemAvailable, or sysconf's free pages
+    write_idx_files(tmp_path / "notmnist", seed=14)
+    monkeypatch.setattr(mnist, "available_memory", lambda: 7839)
+    with pytest.raises(ValueError) as error:
+        load_dataset("notmnist", tmp_path)
+    images = tmp_path / "notmnist" / "train-images-idx3-ubyte.gz"
+    assert str(error.value).startswith(
+        f"{images}: IDX header announces shape (5, 28, 28) (3920 bytes of data), and reading it needs twice that, "
+        "more than the 7839 bytes of memory available (refused unread); "
+    )
+    monkeypatch.setattr(mnist, "available_memory", lambda: 7840)
+    assert load_dataset("notmnist", tmp_path).train_images.shape == (5, 1, 28, 28)
+
+
+def test_the_cli_refuses_a_gzip_bomb_in_one_line_before_writing(tmp_path, capsys):
+    """The user's view of the bomb: `foovb run` exits with 2 and one line naming the file, nothing written."""
+    from foovb_suite.cli import main
+
+    bomb = tmp_path / "data" / "notmnist" / "train-images-idx3-ubyte.gz"
+    arrays = write_idx_files(bomb.parent, seed=15)
+    write_gzip_bomb(bomb, arrays[0], zeros_mib=20)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"scenario: {{kind: vision_mix, num_tasks: 1, datasets: [notmnist], data_dir: {bomb.parents[1]}}}"
+                      "\nlearner: {kind: sgd}\n")
+    assert main(["run", str(config), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"foovb: error: scenario: {bomb}: IDX header announces shape (5, 28, 28) (3936 bytes) but "
+                          "the file has more (the rest is refused unread); ")
+    assert err.count("\n") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["c.yaml", "data"]

@@ -489,3 +489,13 @@ def test_a_full_disk_at_the_lock_file_names_it(config_file, tmp_path, capfd, mon
     monkeypatch.setattr(rundir.os, "write", no_space)
     assert _cli_run(config_file, tmp_path / "r") == 2
     assert f"no space left to write {tmp_path / 'r' / '.foovb.lock'}" in _one_error_line(capfd)
+
+
+def test_a_billion_laughs_in_the_run_directorys_config_is_refused(config_file, damaged, capfd):
+    """--resume reads the run directory's config.yaml with the same bounds as a config given on the command line."""
+    from test_runner import _laughs
+
+    (damaged / "config.yaml").write_text(f"name: tiny\nseed: {_laughs(6)}\n")
+    assert _cli_run(config_file, damaged, "--resume") == 2
+    line = _one_error_line(capfd)
+    assert f"{damaged / 'config.yaml'}" in line and "more than 100000 values" in line

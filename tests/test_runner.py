@@ -210,6 +210,135 @@ def test_cli_names_a_missing_dataset_in_one_line_before_writing(tmp_path, capsys
     assert not (tmp_path / "r").exists()
 
 
+# --- inputs that would exhaust memory or the stack (issue "no input reaches a traceback") ---------------------
+
+
+def _laughs(levels: int) -> str:
+    """A YAML list of anchors, each ten aliases of the one before ("billion laughs"): 10**levels values expanded."""
+    anchors = ["&l0 [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]"]
+    anchors += [f"&l{k} [{', '.join([f'*l{k - 1}'] * 10)}]" for k in range(1, levels + 1)]
+    return f"[{', '.join(anchors)}]"
+
+
+def _nested(levels: int, inner: str = "") -> str:
+    return "[" * levels + inner + "]" * levels
+
+
+_COMPLETE = "scenario: {kind: split_mnist, num_tasks: 2}\nlearner: {kind: sgd}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        # a RecursionError in PyYAML's composer
+        (_COMPLETE + f"model: {{hidden: {_nested(50_000)}}}\n", [],
+         "{path}: refused: its YAML nests deeper than 100 levels (at line 3)"),
+        # 10**6 values built (10**9 were a MemoryError), then "expected int"
+        (_COMPLETE.replace("num_tasks: 2", f"batch_size: {_laughs(6)}"), [],
+         "{path}: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        (_COMPLETE, [f"scenario.batch_size={_laughs(6)}"],
+         "--set scenario.batch_size: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        (_COMPLETE, [f"learner.params.deep={_nested(101)}"],
+         "--set learner.params.deep: refused: its YAML nests deeper than 100 levels (at line 1)"),
+        # each alias nests an anchor of 50 levels 60 levels deep: the composer sees 61, the expanded value 111
+        (_COMPLETE, [f"learner.params.deep=[&a {_nested(50)}, {_nested(60, '*a')}]"],
+         "--set learner.params.deep: refused: its YAML nests deeper than 100 levels once its aliases are expanded"),
+        (_COMPLETE, ["learner.params.loop=&a [*a]"],  # a list that holds itself
+         "--set learner.params.loop: refused: its YAML nests deeper than 100 levels once its aliases are expanded"),
+    ],
+    ids=["nested-50000-deep", "billion-laughs", "billion-laughs-in-set", "set-nested-101-deep",
+         "aliases-nested-deep", "recursive-alias"],
+)
+def test_yaml_beyond_the_bounds_is_refused_naming_the_file_or_key(tmp_path, text, overrides, message) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, overrides)
+    assert str(error.value) == message.format(path=path)
+
+
+def test_yaml_within_the_bounds_loads_with_its_aliases(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("scenario: {kind: split_mnist, num_tasks: 2}\nmodel: {kind: mlp, hidden: &widths [64, 32]}\n"
+                    "learner: {kind: sgd, params: {widths: *widths}}\n")
+    config = load_config(path, [f"learner.params.deep={_nested(100)}", f"learner.params.laughs={_laughs(3)}"])
+    assert config.model.hidden == [64, 32] and config.learner.params["widths"] == [64, 32]
+    deep = config.learner.params["deep"]
+    for _ in range(99):
+        (deep,) = deep
+    assert deep == []
+    assert len(config.learner.params["laughs"][-1]) == 10
+
+
+def test_a_directory_as_the_config_is_named_as_one(tmp_path, capsys) -> None:
+    """Before: "config file ... does not exist"."""
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path)
+    assert str(error.value) == f"config file {tmp_path} is a directory, not a YAML file"
+    (tmp_path / "configs").mkdir()
+    with pytest.MonkeyPatch.context() as patch:  # a bare name: not a bundled config, a directory here
+        patch.chdir(tmp_path)
+        assert main(["run", "configs", "--out", "r"]) == 2
+    assert capsys.readouterr().err == "foovb: error: config file configs is a directory, not a YAML file\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["configs"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # a 627 GB tensor of pixel permutations
+        ({"scenario.num_tasks": 10**8}, "scenario.num_tasks: at most 1000 tasks, got 100000000"),
+        ({"scenario.num_tasks": 1001}, "scenario.num_tasks: at most 1000 tasks, got 1001"),
+        # 10**7 accuracies: the evaluation points, records and metrics.csv in memory
+        ({**CONTINUOUS, "scenario.num_tasks": 1000, "scenario.eval_every": 1},
+         "scenario.eval_every: 1 evaluates all 1000 tasks 10000 times, 10000000 accuracies per mode, more than the "
+         "maximum of 1000000; evaluate less often"),
+        # a 40 GB weight matrix
+        ({"model.hidden": "[100000, 100000]"},
+         "model.hidden: [100000, 100000] gives the MLP up to 10307200000 weights (from 3072 inputs, the widest "
+         "scenario's), more than the maximum of 100000000"),
+        ({"threads": 10**6}, "threads: at most 1024, got 1000000"),
+    ],
+    ids=["num-tasks-1e8", "num-tasks-1001", "eval-every", "hidden", "threads"],
+)
+def test_sizes_that_drive_allocations_are_bounded(change, message) -> None:
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(quick(**change))
+    assert str(error.value) == message
+
+
+def test_sizes_at_their_bounds_are_valid() -> None:
+    config = config_from_dict(quick(**{**CONTINUOUS, "scenario.num_tasks": 1000, "scenario.eval_every": 10,
+                                       "threads": 1024, "model.hidden": "[10000, 6928]"}))
+    assert (config.scenario.num_tasks, config.threads) == (1000, 1024)
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        (_COMPLETE + f"model: {{hidden: {_nested(50_000)}}}\n", [],
+         "{path}: refused: its YAML nests deeper than 100 levels (at line 3)"),
+        (_COMPLETE.replace("num_tasks: 2", f"batch_size: {_laughs(6)}"), [],
+         "{path}: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        (_COMPLETE, [f"scenario.batch_size={_laughs(6)}"],
+         "--set scenario.batch_size: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        (_COMPLETE.replace("split_mnist", "discrete_permuted_mnist"), ["scenario.num_tasks=100000000"],
+         "scenario.num_tasks: at most 1000 tasks, got 100000000"),
+    ],
+    ids=["nested-50000-deep", "billion-laughs", "billion-laughs-in-set", "num-tasks-1e8"],
+)
+def test_cli_refuses_inputs_that_would_exhaust_memory_in_one_line(tmp_path, capsys, monkeypatch, text, overrides,
+                                                                   message) -> None:
+    """Before: a RecursionError, MemoryErrors and a 627 GB allocation, each with its traceback."""
+    monkeypatch.setattr(runner, "build_scenario", lambda config: pytest.fail("the scenario's data was allocated"))
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    assert main(["run", str(path), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"foovb: error: {message.format(path=path)}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

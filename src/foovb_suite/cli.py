@@ -45,6 +45,8 @@ def config_path(config: str) -> Path:
     if path.is_file() or path.suffix or len(path.parts) > 1 or config.startswith("."):
         return path
     if config not in bundled:
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory, not a YAML file")
         raise ConfigError(f"{config!r} is neither a file nor a bundled config; the bundled ones "
                           f"(foovb configs): {', '.join(bundled)}")
     return bundled[config]

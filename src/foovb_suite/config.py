@@ -2,12 +2,16 @@
 
 A bad config (unknown key, wrong type, impossible value) raises `ConfigError` naming the key, e.g.
 `scenario.batch_size: expected int, got 'abc'`. `--set key.sub=value` overrides are parsed as YAML values.
+YAML nested deeper than `MAX_YAML_DEPTH` or holding more than `MAX_YAML_VALUES` values once its aliases are expanded
+is refused before any object is built, and the sizes that drive allocations (tasks, evaluations, the MLP's weights,
+threads) have maxima.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
 import math
 import re
 import types
@@ -42,9 +46,48 @@ SCENARIO_KEYS = {
 }
 
 
+MAX_YAML_DEPTH = 100
+"""The deepest a config's YAML may nest (the bundled configs nest 3 deep); aliases expanded."""
+MAX_YAML_VALUES = 100_000
+"""The most values (scalars, lists, mappings) a config's YAML may hold once its aliases are expanded: a few
+kilobytes of aliases of aliases ("billion laughs") would otherwise build billions of values."""
+MAX_TASKS = 1_000
+"""The most tasks a stream may have (the paper's have 10); each has its own input permutation, evaluations and
+row and column of the accuracy matrix."""
+MAX_ACCURACIES = 1_000_000
+"""The most accuracies per mode a run may record (evaluations x tasks): each task's end of 1,000 tasks, or 100,000
+evaluations of a continuous stream of 10 tasks."""
+MAX_MLP_WEIGHTS = 100_000_000
+"""The most weights model.hidden may give the MLP's hidden layers (counted from the widest input, 3x32x32): 175
+times the paper's largest (1024-400-400)."""
+MAX_THREADS = 1_024
+"""The most threads a run may ask torch for (each is a thread with its own stack)."""
+_WIDEST_INPUT = 3 * 32 * 32  # the vision mix's CIFAR-10 images: no scenario feeds the MLP more inputs
+
+
+class _YamlTooLarge(Exception):
+    """A YAML document beyond :data:`MAX_YAML_DEPTH` or :data:`MAX_YAML_VALUES`; the message says which."""
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader reading ``1e6`` and ``5.8e6`` as numbers (YAML 1.1 leaves them strings; 1.2 does not),
-    and refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    refusing a key given twice in one mapping (PyYAML keeps the last one silently), and refusing to compose nodes
+    nested deeper than :data:`MAX_YAML_DEPTH` (:class:`_YamlTooLarge`: PyYAML's composer recurses per level)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        """How many nodes enclose the one being composed."""
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self._depth == MAX_YAML_DEPTH:
+            line = self.peek_event().start_mark.line + 1
+            raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels (at line {line})")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
@@ -197,6 +240,8 @@ def validate(config: Config) -> Config:
     for key in ("num_tasks", "epochs_per_task", "iterations_per_task", "batch_size", "train_subset",
                 "eval_every"):
         _positive(f"scenario.{key}", getattr(s, key))
+    if s.num_tasks > MAX_TASKS:
+        raise ConfigError(f"scenario.num_tasks: at most {MAX_TASKS} tasks, got {s.num_tasks}")
     # seed: torch.manual_seed takes 64-bit integers. scenario.seed: 32 bits, the first word of the keys of the
     # scenario's streams (scenarios._generator), where a larger one would give another seed's streams
     for key, seed, bits in (("scenario.seed", s.seed, 32), ("seed", config.seed, 63)):
@@ -216,6 +261,12 @@ def validate(config: Config) -> Config:
         if s.num_tasks > len(s.datasets):
             raise ConfigError(f"scenario.num_tasks: {s.num_tasks} tasks, but scenario.datasets lists "
                               f"{len(s.datasets)} datasets (one per task)")
+    if s.eval_every is not None:  # continuous streams (else refused above): an evaluation every eval_every iterations
+        evaluations = s.num_tasks * s.iterations_per_task // s.eval_every
+        if evaluations * s.num_tasks > MAX_ACCURACIES:
+            raise ConfigError(f"scenario.eval_every: {s.eval_every} evaluates all {s.num_tasks} tasks {evaluations} "
+                              f"times, {evaluations * s.num_tasks} accuracies per mode, more than the maximum of "
+                              f"{MAX_ACCURACIES}; evaluate less often")
     if not 0 < s.max_angle <= 360:
         raise ConfigError(f"scenario.max_angle: must be in (0, 360] degrees, got {s.max_angle}")
     if s.joint and config.learner.kind == "si":  # SI consolidates when the task id changes: at almost every batch
@@ -234,10 +285,17 @@ def validate(config: Config) -> Config:
     if not (math.isfinite(config.checkpoint_minutes) and config.checkpoint_minutes > 0):
         raise ConfigError(f"checkpoint_minutes: expected a positive number, got {config.checkpoint_minutes!r}")
     _positive("threads", config.threads)
+    if config.threads is not None and config.threads > MAX_THREADS:
+        raise ConfigError(f"threads: at most {MAX_THREADS}, got {config.threads}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
         raise ConfigError(f"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")
     for i, width in enumerate(config.model.hidden):
         _positive(f"model.hidden[{i}]", width)
+    widths = [_WIDEST_INPUT, *config.model.hidden]
+    weights = sum(inputs * outputs for inputs, outputs in itertools.pairwise(widths))
+    if weights > MAX_MLP_WEIGHTS:
+        raise ConfigError(f"model.hidden: {config.model.hidden} gives the MLP up to {weights} weights (from "
+                          f"{_WIDEST_INPUT} inputs, the widest scenario's), more than the maximum of {MAX_MLP_WEIGHTS}")
     return config
 
 
@@ -288,27 +346,70 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {part} is not a mapping")
-        node[parts[-1]] = _parse_yaml(raw, f"--set {key}")
+        node[parts[-1]] = parse_yaml(raw, f"--set {key}")
     return data
 
 
-def _parse_yaml(text: str, where: str) -> Any:
+def _check_expanded_size(root: yaml.Node) -> None:
+    """Raise :class:`_YamlTooLarge` where the composed document ``root``, its aliases expanded, holds more than
+    :data:`MAX_YAML_VALUES` values or nests deeper than :data:`MAX_YAML_DEPTH` (an alias to an enclosing node,
+    an endless nesting, included). Each node is walked once: an alias costs what its node holds without
+    rebuilding it."""
+    walked: dict[int, tuple[int, int]] = {}  # id(node) -> (values it holds, levels it nests), once walked
+
+    def walk(node: yaml.Node, depth: int) -> tuple[int, int]:
+        if depth > MAX_YAML_DEPTH:
+            raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels once its aliases are expanded")
+        if id(node) not in walked:
+            if isinstance(node, yaml.MappingNode):
+                children = [child for pair in node.value for child in pair]
+            else:
+                children = node.value if isinstance(node, yaml.SequenceNode) else []
+            values, levels = 1, 1
+            for child in children:
+                child_values, child_levels = walk(child, depth + 1)
+                values, levels = values + child_values, max(levels, child_levels + 1)
+            walked[id(node)] = values, levels
+        values, levels = walked[id(node)]
+        if values > MAX_YAML_VALUES:
+            raise _YamlTooLarge(f"holds more than {MAX_YAML_VALUES} values once its aliases are expanded")
+        if depth + levels - 1 > MAX_YAML_DEPTH:
+            raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels once its aliases are expanded")
+        return values, levels
+
+    walk(root, 1)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The value of YAML ``text`` (``where`` names it in errors), read with :class:`_Loader` (a SafeLoader) and
+    checked by :func:`_check_expanded_size` before any Python object is built."""
+    loader = _Loader(text)
     try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader
+        root = loader.get_single_node()
+        if root is None:  # an empty document
+            return None
+        _check_expanded_size(root)
+        return loader.construct_document(root)
+    except _YamlTooLarge as error:
+        raise ConfigError(f"{where}: refused: its YAML {error}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{where}: invalid YAML ({' '.join(str(error).split())})") from error
+    finally:
+        loader.dispose()
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply overrides, parse and validate."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:  # a binary file (a checkpoint), or a config saved in another encoding
         raise ConfigError(f"{path} is not a YAML config in UTF-8 ({error.reason} at byte {error.start})") from None
-    data = apply_overrides(_parse_yaml(text, str(path)) or {}, overrides or [])
+    data = apply_overrides(parse_yaml(text, str(path)) or {}, overrides or [])
     for section, example in (("scenario", "discrete_permuted_mnist"), ("learner", "foovb")):
         if section not in data or isinstance(data[section], dict) and "kind" not in data[section]:
             # the defaults alone are a paper-scale run of hours: a file must say what it runs

@@ -53,6 +53,7 @@ from .config import (
     ConfigError,
     config_from_dict,
     config_to_dict,
+    parse_yaml,
     what_it_computes,
 )
 from .learners import LEARNERS, Learner, learner_hyperparameters, make_learner, make_model
@@ -806,7 +807,7 @@ def saved_config(run_dir: str | Path) -> Config:
     missing or damaged."""
     path = Path(run_dir) / "config.yaml"
     try:
-        return config_from_dict(yaml.safe_load(path.read_text()))
+        return config_from_dict(parse_yaml(path.read_text(), str(path)))  # bounded depth and aliases
     except FileNotFoundError:
         raise ConfigError(f"{path} is missing: the run directory's copy of the config it was started with; "
                           "restore it, or start the run in a new directory") from None

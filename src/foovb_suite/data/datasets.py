@@ -54,7 +54,7 @@ from foovb_suite.data.mnist import (
     identify_idx_content,
     load_mnist,
     parse_idx,
-    read_file_bytes,
+    read_idx_bytes,
 )
 
 try:  # the functions numpy's pickles of arrays name (numpy >= 2 moved numpy.core to numpy._core)
@@ -153,19 +153,22 @@ def _read_checked_idx(
 ) -> np.ndarray:
     """One IDX file of ``dataset``, trusted only after its content check.
 
-    Refused (:class:`DataFileError`, naming the file): a corrupt or truncated gzip stream; content that is a
+    Refused (:class:`DataFileError`, naming the file): a corrupt or truncated gzip stream; a header announcing
+    more data than these datasets hold or memory allows, or content longer or shorter than it announces
+    (:func:`foovb_suite.data.mnist.read_idx_bytes`, which never reads past the announced size); content that is a
     known file of another dataset (:data:`KNOWN_IDX_MD5`); a malformed IDX file; content whose MD5 is not the
     one in the folder's own ``MD5SUMS.uncompressed`` (``local_md5``) or, without one, not the published one
     (``published_md5``, where the dataset has published sums).
     """
-    data = read_file_bytes(path, compressed=path.suffix == ".gz")
+    expected_ndim = 3 if "images" in name else 1
+    data = read_idx_bytes(path, expected_ndim, compressed=path.suffix == ".gz")
     md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
     known = identify_idx_content(md5)
     if known is not None and known[0] != dataset:
         raise DataFileError(
             path.parent, f"{path} holds {known[0]}'s {known[1]}, so these are not {dataset}'s files"
         )
-    array = parse_idx(data, expected_ndim=3 if "images" in name else 1, source=str(path))
+    array = parse_idx(data, expected_ndim, source=str(path))
     expected = (local_md5 if local_md5 is not None else published_md5 or {}).get(name)
     if local_md5 is not None and expected is None:
         sums_file = path.parent / MD5SUMS_FILE

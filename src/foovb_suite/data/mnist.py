@@ -10,9 +10,12 @@ The IDX reader here (:func:`parse_idx`, :func:`read_idx`) is shared with the oth
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import hashlib
+import math
+import os
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -64,6 +67,9 @@ KNOWN_IDX_MD5: dict[str, dict[str, str]] = {
 _IDX_UINT8 = 0x08
 _IDX_IMAGES_NDIM = 3
 _IDX_LABELS_NDIM = 1
+IDX_MAX_BYTES = 1 << 30
+"""The most data an IDX file may announce in its header: 1 GiB, 20 times the largest file of these datasets
+(MNIST's and Fashion-MNIST's 47 MB of training images). A header beyond it is refused before anything is read."""
 
 
 class DataFileError(ValueError):
@@ -108,7 +114,68 @@ class MNIST:
     """int64 (10000,)"""
 
 
-def parse_idx(data: bytes, expected_ndim: int, source: str) -> np.ndarray:
+def _idx_shape(header: bytes, expected_ndim: int, source: str) -> tuple[int, ...]:
+    """The shape an IDX header (its first ``4 + 4 * expected_ndim`` bytes) announces.
+
+    Checks the magic number (uint8 data of ``expected_ndim`` dimensions) and that the header is complete; raises
+    :class:`DataFileError` naming ``source`` otherwise.
+    """
+    if len(header) < 4:
+        raise DataFileError(source, f"{source}: too short to be an IDX file ({len(header)} bytes)")
+    if header[0] != 0 or header[1] != 0 or header[2] != _IDX_UINT8 or header[3] != expected_ndim:
+        magic = int.from_bytes(header[:4], "big")
+        expected = (_IDX_UINT8 << 8) | expected_ndim
+        raise DataFileError(source, f"{source}: bad IDX magic number 0x{magic:08x}, expected 0x{expected:08x}")
+    if len(header) < 4 + 4 * expected_ndim:
+        raise DataFileError(source, f"{source}: truncated IDX header")
+    return tuple(int.from_bytes(header[4 + 4 * k : 8 + 4 * k], "big") for k in range(expected_ndim))
+
+
+def _size_mismatch(source: str, shape: tuple[int, ...], expected_size: int, actual: str) -> DataFileError:
+    """The error for an IDX file whose length is not the one its header announces (``actual``: what it has)."""
+    return DataFileError(
+        source, f"{source}: IDX header announces shape {shape} ({expected_size} bytes) but the file has {actual}"
+    )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to this process without swapping (``MemAvailable`` of ``/proc/meminfo``, else the
+    free physical pages ``os.sysconf`` reports); None where neither says."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf, or no such name on this system
+        return None
+
+
+def _checked_idx_size(shape: tuple[int, ...], source: str) -> int:
+    """The data bytes of an IDX file of ``shape``, refused (:class:`DataFileError` naming ``source``) above
+    :data:`IDX_MAX_BYTES` or above half the available memory (the bytes read and the array made of them)."""
+    data_size = math.prod(shape)  # exact: a Python int does not overflow
+    if data_size > IDX_MAX_BYTES:
+        raise DataFileError(
+            source,
+            f"{source}: IDX header announces shape {shape} ({data_size} bytes of data), more than the "
+            f"{IDX_MAX_BYTES} bytes an IDX file of these datasets may hold (refused unread)",
+        )
+    memory = available_memory()
+    if memory is not None and 2 * data_size > memory:
+        raise DataFileError(
+            source,
+            f"{source}: IDX header announces shape {shape} ({data_size} bytes of data), and reading it needs twice "
+            f"that, more than the {memory} bytes of memory available (refused unread)",
+            "free memory, or delete it and fetch it again if the shape is not the dataset's",
+        )
+    return data_size
+
+
+def parse_idx(data: bytes | bytearray, expected_ndim: int, source: str) -> np.ndarray:
     """Parse the bytes of an uncompressed uint8 IDX file (http://yann.lecun.com/exdb/mnist/).
 
     The header is a big-endian magic number ``0x0000 TT NN`` (``TT`` = 0x08 for unsigned bytes, ``NN`` the
@@ -117,48 +184,63 @@ def parse_idx(data: bytes, expected_ndim: int, source: str) -> np.ndarray:
     Checks the magic number (uint8 data of ``expected_ndim`` dimensions) and that the size matches the header;
     raises :class:`DataFileError` (a ``ValueError``) naming ``source`` otherwise.
     """
-    if len(data) < 4:
-        raise DataFileError(source, f"{source}: too short to be an IDX file ({len(data)} bytes)")
-    if data[0] != 0 or data[1] != 0 or data[2] != _IDX_UINT8 or data[3] != expected_ndim:
-        magic = int.from_bytes(data[:4], "big")
-        expected = (_IDX_UINT8 << 8) | expected_ndim
-        raise DataFileError(source, f"{source}: bad IDX magic number 0x{magic:08x}, expected 0x{expected:08x}")
     header_size = 4 + 4 * expected_ndim
-    if len(data) < header_size:
-        raise DataFileError(source, f"{source}: truncated IDX header")
-    shape = tuple(int.from_bytes(data[4 + 4 * k : 8 + 4 * k], "big") for k in range(expected_ndim))
-    expected_size = header_size + int(np.prod(shape))
+    shape = _idx_shape(data[:header_size], expected_ndim, source)
+    expected_size = header_size + math.prod(shape)
     if len(data) != expected_size:
-        raise DataFileError(
-            source,
-            f"{source}: IDX header announces shape {shape} ({expected_size} bytes) but the file has "
-            f"{len(data)} bytes",
-        )
+        raise _size_mismatch(source, shape, expected_size, f"{len(data)} bytes")
     return np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape).copy()
 
 
-def read_file_bytes(file: Traversable, compressed: bool) -> bytes:
-    """Read ``file``, gunzipping it when ``compressed``.
+def read_file_bytes(file: Traversable) -> bytes:
+    """Read ``file``; raises ``FileNotFoundError`` naming it where there is none."""
+    if not file.is_file():
+        raise FileNotFoundError(f"missing data file: {file}")
+    return file.read_bytes()
 
-    Raises ``FileNotFoundError`` for a missing file and :class:`DataFileError` (a ``ValueError``) for data that
-    is not gzip, a truncated or corrupt gzip stream (never a raw ``EOFError`` / ``zlib.error``), naming the file.
+
+def read_idx_bytes(file: Traversable, expected_ndim: int, compressed: bool) -> bytearray:
+    """The content of the uint8 IDX file ``file`` (gunzipped when ``compressed``): its header and data.
+
+    Reads the header first and then incrementally no more than the data it announces, plus one byte to see the end:
+    a gzip bomb (a few kB that decompress to gigabytes) costs no more memory than its header claims. Raises
+    ``FileNotFoundError`` for a missing file and :class:`DataFileError` (a ``ValueError``) naming the file for data
+    that is not gzip, a truncated or corrupt gzip stream (never a raw ``EOFError`` / ``zlib.error``), a bad IDX
+    header (:func:`_idx_shape`), a shape refused by :func:`_checked_idx_size`, and content shorter or longer
+    than the header says.
     """
     if not file.is_file():
         raise FileNotFoundError(f"missing data file: {file}")
-    raw = file.read_bytes()
-    if not compressed:
-        return raw
-    if raw[:2] != b"\x1f\x8b":
-        raise DataFileError(file, f"corrupt gzip file {file} (it does not start with the gzip magic bytes 1f 8b)")
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as error:
-        raise DataFileError(file, f"corrupt gzip file {file} ({type(error).__name__}: {error})") from error
+    source = str(file)
+    header_size = 4 + 4 * expected_ndim
+    with file.open("rb") as raw:
+        if compressed:
+            if raw.read(2) != b"\x1f\x8b":
+                raise DataFileError(
+                    file, f"corrupt gzip file {file} (it does not start with the gzip magic bytes 1f 8b)"
+                )
+            raw.seek(0)
+        try:
+            with gzip.GzipFile(fileobj=raw, mode="rb") if compressed else contextlib.nullcontext(raw) as content:
+                header = content.read(header_size)
+                shape = _idx_shape(header, expected_ndim, source)
+                expected_size = header_size + _checked_idx_size(shape, source)
+                idx_content = bytearray(expected_size)  # filled in place: no second copy of the data
+                idx_content[:header_size] = header
+                with memoryview(idx_content)[header_size:] as data:
+                    received = content.readinto(data)
+                if received < expected_size - header_size:
+                    raise _size_mismatch(source, shape, expected_size, f"{header_size + received} bytes")
+                if content.read(1):  # reaching the end also checks the gzip stream's CRC and length
+                    raise _size_mismatch(source, shape, expected_size, "more (the rest is refused unread)")
+        except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+            raise DataFileError(file, f"corrupt gzip file {file} ({type(error).__name__}: {error})") from error
+    return idx_content
 
 
 def read_idx(path: Path, expected_ndim: int) -> np.ndarray:
     """Read a uint8 IDX file from disk; a ``.gz`` suffix means gzip-compressed."""
-    data = read_file_bytes(path, compressed=path.suffix == ".gz")
+    data = read_idx_bytes(path, expected_ndim, compressed=path.suffix == ".gz")
     return parse_idx(data, expected_ndim, str(path))
 
 
@@ -167,7 +249,7 @@ def _read_md5sums(root: Traversable) -> dict[str, str]:
     md5sums_file = root / MD5SUMS_FILE
     remedy = "fix it (`md5sum` output of the gunzipped files) or delete it"
     try:
-        text = read_file_bytes(md5sums_file, compressed=False).decode("ascii")
+        text = read_file_bytes(md5sums_file).decode("ascii")
     except UnicodeDecodeError as error:
         raise DataFileError(md5sums_file, f"{md5sums_file} is not an md5sum text file ({error})", remedy) from error
     md5sums = {}
@@ -190,7 +272,7 @@ def _read_verified_idx(
         raise DataFileError(
             root / MD5SUMS_FILE, f"{root / MD5SUMS_FILE} has no checksum for {name}", "add its line or delete the file"
         )
-    data = read_file_bytes(file, compressed=True)
+    data = read_idx_bytes(file, expected_ndim, compressed=True)
     actual_md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
     known = identify_idx_content(actual_md5)
     if known is not None and known[0] != "MNIST":  # even where the folder's own MD5SUMS lists it
