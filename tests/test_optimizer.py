@@ -826,7 +826,9 @@ BAD_VALUES = [
     ("diagonal", {}, 0, "mean", lambda v: v.half(), "is torch.float16, this optimizer keeps torch.float32"),
     ("diagonal", {"cov_momentum": 0.9}, 0, "grad_noise_average", lambda v: _poke(v, 0, math.nan), NON_FINITE),
     ("kronecker", {}, 0, "input_sqrt_cov", lambda v: _poke(v, 2, math.nan), NON_FINITE),
-    ("kronecker", {}, 2, "output_sqrt_cov", torch.zeros_like, "is all zero"),
+    ("kronecker", {}, 2, "output_sqrt_cov", torch.zeros_like, "has 3 zero rows and 3 zero columns"),
+    ("kronecker", {}, 0, "input_sqrt_cov", lambda v: v.index_fill(0, torch.tensor([1]), 0.0),
+     "has 1 zero rows and 0 zero columns where this optimizer's has none"),
     ("kronecker", {}, 2, "mean", lambda v: v.double(), "is torch.float64, this optimizer keeps torch.float32"),
     ("full", {}, 0, "sqrt_cov", lambda v: _poke(v, 7, math.inf), NON_FINITE),
 ]
@@ -866,6 +868,14 @@ def test_load_state_dict_refuses_bad_values_and_changes_nothing(family, options,
     named = re.escape(f"the {family} posterior of parameter {index} (shape {SHAPES[index]})")
     _refused_load_changes_nothing(opt, model, saved, f"^cannot load {named}: its {key!r} {re.escape(match)}")
     _steps(model, opt, 2, 1)  # still usable
+
+
+def test_load_state_dict_refuses_a_state_entry_that_is_not_a_dict():
+    model = mlp()
+    opt = FOOVB(model, seed=0)
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match="its 'state' must be a dict, got NoneType"):
+        opt.load_state_dict({**saved, "state": None})
 
 
 def test_load_state_dict_refuses_a_generator_state_torch_refuses_and_changes_nothing():

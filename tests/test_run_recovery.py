@@ -356,7 +356,8 @@ def test_the_divergence_advice_names_the_per_layer_prior() -> None:
 
 
 @pytest.mark.parametrize(("content", "says"), [
-    ("scenario: [", "is damaged \\(while parsing"), ("- a", "is damaged \\(config: expected a mapping"),
+    ("scenario: [", "is damaged \\(config.yaml: invalid YAML \\(while parsing"),
+    ("- a", "is damaged \\(config: expected a mapping"),
     ("scenario: {kind: nope}", "is damaged \\(scenario.kind: unknown scenario"), (None, "is missing")])
 def test_a_damaged_saved_config_is_one_error_line_naming_it(uninterrupted, config_file, tmp_path, capsys, content,
                                                              says) -> None:

@@ -214,6 +214,9 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
     except RuntimeError as error:
         raise ValueError(f"cannot load the noise generator's state (state_dict['foovb']['generator']): torch "
                          f"refused it ({str(error).splitlines()[0]}); nothing was loaded") from None
+    if not isinstance(state_dict["state"], dict):
+        raise ValueError("not a FOOVB state dict: its 'state' must be a dict, got "
+                         f"{type(state_dict['state']).__name__}")
     groups = state_dict["param_groups"]
     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
         raise ValueError("not a FOOVB state dict: 'param_groups' must be a list of dicts")
@@ -266,8 +269,12 @@ def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
         if not_positive:
             return (f"is negative, or 0 where this optimizer's is not, in {not_positive} of its {value.numel()} "
                     "entries (a posterior std is > 0; 0 only on an nn.Embedding's padding row)")
-    if key in SQRT_COVS and not value.any() and own.any():
-        return "is all zero (a square root of a covariance, singular)"
+    if key in SQRT_COVS:  # a zero row or column makes the factor singular: one direction's variance collapsed
+        zero_rows = int((~value.any(1) & own.any(1).to(value.device)).sum())
+        zero_columns = int((~value.any(0) & own.any(0).to(value.device)).sum())
+        if zero_rows or zero_columns:
+            return (f"has {zero_rows} zero rows and {zero_columns} zero columns where this optimizer's has none (a "
+                    "square root of a covariance, singular)")
     return None
 
 

@@ -626,12 +626,15 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               "--resume, or choose another directory")
     resolved = config_to_dict(config)
     if resume:  # parsed, so that keys added to Config since the run started compare as their defaults
-        saved, computed = what_it_computes(config_to_dict(saved_config(run_dir))), what_it_computes(resolved)
+        saved = _flatten(what_it_computes(config_to_dict(saved_config(run_dir))))
+        computed = _flatten(what_it_computes(resolved))
         changed = sorted(key for key in saved.keys() | computed.keys() if saved.get(key) != computed.get(key))
         if changed:
+            details = ", ".join(f"{key}: {saved.get(key, '(absent)')!r} there, {computed.get(key, '(absent)')!r} here"
+                                for key in changed[:6])
             raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
-                              f"(top-level keys: {', '.join(changed)}); only {', '.join(EXECUTION_KEYS)} and "
-                              f"{', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
+                              f"({details}{', ...' if len(changed) > 6 else ''}); only {', '.join(EXECUTION_KEYS)} "
+                              f"and {', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
     run_id = _run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), scenario)
     if state is not None:
@@ -807,7 +810,7 @@ def saved_config(run_dir: str | Path) -> Config:
     missing or damaged."""
     path = Path(run_dir) / "config.yaml"
     try:
-        return config_from_dict(parse_yaml(path.read_text(), str(path)))  # bounded depth and aliases
+        return config_from_dict(parse_yaml(path.read_text(), path.name))  # bounded depth and aliases
     except FileNotFoundError:
         raise ConfigError(f"{path} is missing: the run directory's copy of the config it was started with; "
                           "restore it, or start the run in a new directory") from None
