@@ -1164,6 +1164,27 @@ def test_full_family_too_large_layer_reports_memory():
     FOOVB(nn.Linear(30, 20), "full", max_full_params=620, **PAPER)  # exactly at the limit is accepted
 
 
+def test_step_returns_the_mean_loss_as_a_tensor_as_torch_optimizers_do():
+    """torch optimizers return the closure's loss tensor: `loss.item()` must work (it failed on a Python float)."""
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    opt = FOOVB(model, mc_samples=4, seed=0)
+    losses = []
+
+    def closure() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.ndim == 0 and not loss.requires_grad
+    assert loss.item() == pytest.approx(sum(losses) / len(losses))
+    batched = opt.step_batched(x, y, F.cross_entropy)
+    assert isinstance(batched, torch.Tensor) and math.isfinite(batched.item())
+
+
 def test_step_requires_closure_and_batch_size():
     model = mlp()
     with pytest.raises(ValueError, match="closure"):

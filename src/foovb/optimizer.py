@@ -250,14 +250,15 @@ class FOOVB(torch.optim.Optimizer):
         drop_autocast_cache()
 
     # -- training --------------------------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> float:
+    def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> Tensor:
         """One FOO-VB step with K sequential Monte Carlo samples (one network in memory at a time).
 
         `closure` runs forward and backward on the model's current weights and returns the loss; it is called
         K times, each time with a fresh sample loaded into the model. `batch_size`: the loss is a mean over
         this many terms (overrides what `loss_reduction` reads from the loss). Returns the mean loss over the
-        samples, as the closure returned it. Batch-norm running statistics are updated once, with the
-        average of the samples' batch statistics.
+        samples, as the closure returned it, as a 0-dim float64 tensor without a graph (torch optimizers return the
+        closure's loss tensor: `loss.item()` and `float(loss)` work). Batch-norm running statistics are updated once,
+        with the average of the samples' batch statistics.
 
         Without a closure, applies the update of the K samples that `sampled_params(train=True)` blocks have
         evaluated since the last step (your own training loop). After such blocks, a closure is called once and
@@ -353,7 +354,7 @@ class FOOVB(torch.optim.Optimizer):
         for block in self.blocks:
             block.adopt_params()
 
-    def _finish_step(self) -> float:
+    def _finish_step(self) -> Tensor:
         """UPDATE from the statistics of the step's K samples; batch-norm statistics as their average."""
         pending, self._pending = self._pending, None
         if pending.count != len(self.sample_shard):
@@ -372,10 +373,10 @@ class FOOVB(torch.optim.Optimizer):
                 raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
         pending.running.average()
-        return mean_loss
+        return torch.tensor(mean_loss, dtype=torch.float64)
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
-                     *, chunk_size: int | None = None) -> float:
+                     *, chunk_size: int | None = None) -> Tensor:
         """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv2d models).
 
         loss_fn(outputs, targets) (default: cross-entropy, reduced as `loss_reduction` says) sees the K stacked

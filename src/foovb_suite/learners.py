@@ -95,7 +95,7 @@ class FOOVBLearner:
                 return loss
 
             loss = self.optimizer.step(closure)
-        return loss / len(y)
+        return loss.item() / len(y)
 
     def predict(self, x: Tensor, task: int | None = None) -> Predictions:
         return predict(self.optimizer, x, self.eval_samples, chunk_size=self.chunk_size,
