@@ -345,6 +345,36 @@ def test_micro_batches_inside_the_closure_are_scaled_each_or_refused(family):
     assert all_equal(posterior_snapshot(opt), before)
 
 
+def test_two_backward_calls_with_an_unreadable_loss_are_refused_naming_the_batch_rows():
+    """A cross-entropy mean and 0.01 x a mean over the (rows x outputs) activations, backward() on each: the advice
+    counted the activations as rows (batch_size=rows x outputs), and following it multiplied the cross-entropy's
+    gradients by the outputs too. The refusal names the batch's rows; following it trains."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 20), torch.randint(0, 2, (64,))
+
+    def train(batch_size: int | None) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+        opt = FOOVB(model, "diagonal", 4, seed=0)
+
+        def closure() -> torch.Tensor:
+            out = model(x)
+            cross_entropy = F.cross_entropy(out, y)
+            cross_entropy.backward(retain_graph=True)
+            penalty = 0.01 * out.square().mean()  # a mean over 64 x 8 activations
+            penalty.backward()
+            return cross_entropy + penalty
+
+        for _ in range(30):
+            opt.step(closure, batch_size=batch_size)
+        return float(torch.cat([p.detach().flatten() for p in model.parameters()]).norm())
+
+    with pytest.raises(ValueError, match=r"called backward\(\) 2 times, and loss 2 \(0.01 times a mean over 512 "
+                                         r"terms\).*step\(closure, batch_size=64\)$"):
+        train(None)
+    assert train(64) < 0.5 * train(512)  # the old advice's batch_size inflates the step 8-fold
+
+
 # -- layers frozen after construction ---------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_layer_frozen_after_construction_is_left_out_of_the_step(family):

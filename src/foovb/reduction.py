@@ -361,7 +361,24 @@ class LossSpy(TorchFunctionMode):
         """The one factor for all the backward() calls of the closure (`loss_scale` of each, which must agree)."""
         if not self.reductions:
             return loss_scale(None, declared, batch_size, frozenset(self.rows))
-        scales = [loss_scale(r, declared, batch_size, frozenset(self.rows)) for r in self.reductions]
+        scales = []
+        for index, reduction in enumerate(self.reductions):
+            try:
+                scales.append(loss_scale(reduction, declared, batch_size, frozenset(self.rows)))
+            except ValueError as error:
+                if len(self.reductions) == 1:
+                    raise
+                # the single-loss advice would count this loss's terms (e.g. activations), not the batch's rows,
+                # and a batch_size multiplies the gradients of every backward() call alike
+                rows = " or ".join(str(r) for r in sorted(self.rows)) or "n"
+                what = (f"{reduction.factor:g} times a {reduction.kind} over {reduction.terms:g} terms"
+                        if reduction.kind in ("mean", "sum") else f"made by {reduction.kind}")
+                raise ValueError(
+                    f"the closure called backward() {len(self.reductions)} times, and loss {index + 1} ({what}) "
+                    "does not tell how it relates to the batch's summed negative log-likelihood; one factor "
+                    "multiplies the gradients of all of them. Call backward() once, on the total loss, or, if every "
+                    f"loss is a mean over the batch's {rows} rows, call step(closure, batch_size={rows})"
+                ) from error
         if any(s != scales[0] for s in scales):
             raise ValueError(
                 f"the closure called backward() {len(scales)} times on losses of different scales (means over "
