@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -115,3 +118,10 @@ def config_file(tmp_path):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(TINY))
     return path
+
+
+def page_files(page: Path) -> dict[str, str]:
+    """The files a docs page shows whole, each announced by `<!-- file: NAME -->` on the line before its fence
+    (docs/suite.md's custom-stream example): name -> content. tests/test_readme.py checks the page's commands on
+    them, tests/test_runner.py runs them."""
+    return dict(re.findall(r"<!--\s*file:\s*(\S+)\s*-->\n```\w*\n(.*?)```", page.read_text(), re.S))

@@ -8,7 +8,8 @@ Checked on README.md and every docs/*.md page:
 - every `foovb ...`, `python -m foovb_suite ...` and `torchrun ... -m foovb_suite.cli ...` command (inline code,
   possibly wrapped over lines, and bash blocks) parses with the CLI's own parser; a `run` command's config
   (a path or a bundled name) loads with its `--set` overrides and builds its model and learner (no data, no
-  training), so a stale config name, key, flag or hyperparameter fails here;
+  training), so a stale config name, key, flag or hyperparameter fails here; the files a page shows whole
+  (`<!-- file: NAME -->`, `conftest.page_files`) are there as a reader who saved them has them;
 - every `python benchmarks/SCRIPT.py ...` command names an existing script and only flags that script defines;
 - relative links, and `docs/...` paths in code spans, name files that exist;
 - the README keeps the test command that `.ci/run` runs, verbatim.
@@ -19,14 +20,17 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import page_files
 
 from foovb_suite.cli import build_parser, config_path
 from foovb_suite.config import load_config
+from foovb_suite.custom import config_directory
 from foovb_suite.runner import build_learner
 from foovb_suite.scenarios import VisionMix
 
@@ -104,9 +108,10 @@ def cli_argv(command: str) -> list[str] | None:
     return None
 
 
-def check_run(argv: list[str]) -> None:
+def check_run(argv: list[str], page_files_dir: Path) -> None:
     args = build_parser().parse_args(["run", *argv])
-    path = config_path(args.config)
+    saved = page_files_dir / args.config  # a config file the page shows whole
+    path = saved if saved.is_file() else config_path(args.config)
     config = load_config(path if path.is_absolute() else ROOT / path, args.set)
     s = config.scenario
     if s.kind == "vision_mix":
@@ -115,7 +120,8 @@ def check_run(argv: list[str]) -> None:
     else:
         stream = SimpleNamespace(num_tasks=s.num_tasks, task_aware=False,
                                  input_shape=(1024 if s.pad_to_32 else 784,), num_classes=10)
-    build_learner(config, stream, torch.device("cpu"))  # raises on an unknown or invalid hyperparameter
+    with config_directory(path):  # a custom model's factory, as `foovb run` imports it
+        build_learner(config, stream, torch.device("cpu"))  # raises on an unknown or invalid hyperparameter
 
 
 def check_benchmark(command: str) -> None:
@@ -131,8 +137,9 @@ def check_benchmark(command: str) -> None:
         load_config(ROOT / argv[2], sets)
 
 
-def check_command(command: str) -> str:
-    """Check one command; returns what kind it was ("run", "cli", "benchmark", "script", "synopsis", "mention")."""
+def check_command(command: str, page_files_dir: Path) -> str:
+    """Check one command (the page's own files in `page_files_dir`); returns what kind it was ("run", "cli",
+    "benchmark", "script", "synopsis", "mention")."""
     if command.startswith("python benchmarks/"):
         check_benchmark(command)
         return "benchmark"
@@ -157,22 +164,29 @@ def check_command(command: str) -> str:
     for flag in (arg.split("=")[0] for arg in argv[1:] if arg.startswith("--")):
         assert flag in flags, f"{command!r}: {flag} is not a flag of `foovb {argv[0]}` (an abbreviation?)"
     if argv[0] == "run":
-        check_run(argv[1:])
+        check_run(argv[1:], page_files_dir)
         return "run"
     return "cli"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(ROOT)) for page in PAGES])
-def test_shell_commands_are_valid(page: Path) -> None:
+def test_shell_commands_are_valid(page: Path, tmp_path: Path) -> None:
     """A pasted command must not fail on a stale config path, key, flag or hyperparameter name."""
+    files = page_files(page)
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
     failures, checked = [], {}
-    for command in shell_commands(page):
-        if command in checked:
-            continue
-        try:
-            checked[command] = check_command(command)
-        except Exception as exc:  # noqa: BLE001 - every failing command is listed, not only the first
-            failures.append(f"{command}\n    {type(exc).__name__}: {exc}")
+    try:
+        for command in shell_commands(page):
+            if command in checked:
+                continue
+            try:
+                checked[command] = check_command(command, tmp_path)
+            except Exception as exc:  # noqa: BLE001 - every failing command is listed, not only the first
+                failures.append(f"{command}\n    {type(exc).__name__}: {exc}")
+    finally:
+        for name in files:  # the page's modules, imported from tmp_path: not the next test's
+            sys.modules.pop(Path(name).stem, None)
     assert not failures, f"{page.name}: invalid commands:\n" + "\n".join(failures)
 
 

@@ -5,17 +5,23 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shlex
 import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import page_files
 
 from foovb_suite import metrics, plots, runner
 from foovb_suite.cli import main
 from foovb_suite.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config
-from foovb_suite.runner import experiment_key, load_run, resolve_device, run, tasks_seen
+from foovb_suite.learners import LEARNERS
+from foovb_suite.runner import experiment_key, load_model, load_run, resolve_device, run, tasks_seen
 
 QUICK = {
     "name": "quick",
@@ -120,6 +126,23 @@ def _crash_at(monkeypatch, iteration: int) -> None:
         ({"threads": 0}, "threads: must be a positive integer"),
         ({"scenario.joint": "true", "learner.kind": "si"}, "learner.kind: si consolidates each task"),
         ({"threads": -2}, "threads: must be a positive integer"),
+        ({"scenario.kind": "custom"}, "scenario.factory: the custom scenario needs one, 'module:function'"),
+        ({"scenario.kind": "custom", "scenario.factory": "my_tasks.py"},
+         "scenario.factory: expected 'module:function'"),
+        ({"scenario.kind": "custom", "scenario.factory": "m:f", "scenario.mode": "gradual"},
+         "scenario.mode: must be 'discrete' or 'continuous'"),
+        ({"scenario.kind": "custom", "scenario.factory": "m:f", "scenario.mode": "continuous"},
+         r"scenario.epochs_per_task: not read by the custom \(mode: continuous\) scenario"),
+        ({"scenario.kind": "custom", "scenario.factory": "m:f", "scenario.iterations_per_task": 10},
+         r"scenario.iterations_per_task: not read by the custom \(mode: discrete\) scenario"),
+        ({"scenario.kind": "custom", "scenario.factory": "m:f", "scenario.args": "{1: 2}"}, "scenario.args: "),
+        ({"scenario.kind": "custom", "scenario.factory": "m:f", "scenario.num_classes": 0}, "scenario.num_classes"),
+        ({"scenario.mode": "continuous"}, "scenario.mode: not read by the discrete_permuted_mnist scenario"),
+        ({"scenario.factory": "m:f"}, "scenario.factory: not read"),
+        ({"model.kind": "custom"}, "model.hidden: the custom model's layers are not set here"),
+        ({"model.kind": "custom", "model.hidden": "[100, 100]"}, "model.factory: the custom model needs one"),
+        ({"model.factory": "m:f"}, "model.factory: read by the custom model only"),
+        ({"model.args": "{depth: 2}"}, "model.args: read by the custom model only"),
     ],
 )
 def test_bad_config_names_the_key(change: dict, key: str) -> None:
@@ -825,3 +848,224 @@ def test_a_run_resumes_with_its_data_directory_moved(tmp_path) -> None:
     resumed = run(config_from_dict(moved), tmp_path / "r", resume=True, progress=False)
     assert resumed["modes"] == uninterrupted["modes"]
     assert runner.experiment_key(moved) == runner.experiment_key(config)
+
+
+# --- your own data and model: the custom scenario and model ------------------------------------------------------
+
+SUITE_PAGE = Path(__file__).parent.parent / "docs" / "suite.md"
+
+
+def _documented_commands() -> list[list[str]]:
+    """The commands of docs/suite.md's custom example (the bash block of "Your own data and model"), as the
+    arguments of `foovb`."""
+    section = SUITE_PAGE.read_text().split("\n## Your own data and model\n")[1].split("\n## ")[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [shlex.split(line)[1:] for line in block.splitlines() if line.startswith("foovb ")]
+
+
+def _without_plots(monkeypatch) -> None:
+    """The runs that follow draw no plots (the slowest outputs; the documented example's test draws them)."""
+    for name in dir(plots):
+        if name.startswith("plot_"):
+            monkeypatch.setattr(plots, name, lambda *args, **kwargs: None)
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """tmp_path as the working directory; the modules imported from it are forgotten after the test."""
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def example_dir(user_dir):
+    """docs/suite.md's custom example (two_tasks.py, two_tasks.yaml) saved in the working directory."""
+    for name, content in page_files(SUITE_PAGE).items():
+        (user_dir / name).write_text(content)
+    return user_dir
+
+
+def _records(run_dir) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "train_seconds"} for r in load_run(run_dir)["records"]]
+
+
+def test_the_documented_custom_example_runs_and_compares(example_dir, capsys) -> None:
+    """docs/suite.md's module, YAML and commands, as a reader runs them: FOO-VB with the custom model on the
+    two-task stream, SGD on it, and `foovb compare` on the two runs."""
+    commands = _documented_commands()
+    assert [argv[0] for argv in commands] == ["run", "run", "compare"]
+    for argv in commands:
+        assert main([*argv, *(["--no-progress"] if argv[0] == "run" else [])]) == 0, capsys.readouterr().err
+    foovb_dir, sgd_dir = Path("runs/two_tasks"), Path("runs/two_tasks_sgd")
+    summary = json.loads((foovb_dir / "summary.json").read_text())
+    assert (summary["scenario"], summary["num_tasks"], summary["iterations"]) == ("custom", 2, 2 * 3 * 13)
+    assert set(summary["modes"]) == {"mean", "bma", "single"}
+    assert summary["modes"]["mean"]["average_accuracy"] > 0.9  # two easy tasks of four classes
+    assert [r["iteration"] for r in load_run(foovb_dir)["records"]] == [39, 78]  # every task's end
+    saved = yaml.safe_load((foovb_dir / "config.yaml").read_text())  # the config as given, defaults filled in
+    assert {key: saved["scenario"][key] for key in ("kind", "factory", "args", "mode", "num_tasks")} == {
+        "kind": "custom", "factory": "two_tasks:make_tasks", "args": {"examples_per_class": 200, "seed": 0},
+        "mode": "discrete", "num_tasks": 2}
+    assert {key: saved["model"][key] for key in ("kind", "factory", "args")} == {
+        "kind": "custom", "factory": "two_tasks:make_model", "args": {"hidden": 64}}
+    for name in ("average_accuracy_mean.png", "first_task_accuracy_mean.png", "accuracy_matrix_mean.png",
+                 "std_histograms.png"):
+        assert (foovb_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    with open("runs/compare/compare.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["learner"], r["scenario"], r["mode"]) for r in rows] == [
+        ("two_tasks", "foovb-auto", "custom", "mean"), ("two_tasks", "foovb-auto", "custom", "bma"),
+        ("two_tasks", "foovb-auto", "custom", "single"), ("two_tasks_sgd", "sgd", "custom", "mean")]
+    assert "differ in their protocol" not in capsys.readouterr().err
+    model = load_model(foovb_dir)  # the module is found from the working directory
+    assert (model[1].out_features, model[-1].out_features) == (64, 4)  # hidden: 64; 4 classes, from the labels
+    assert (sgd_dir / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("mode", ["discrete", "continuous"])
+def test_an_interrupted_custom_run_resumes_to_the_uninterrupted_result(example_dir, monkeypatch, mode) -> None:
+    config = example_dir / "two_tasks.yaml"
+    if mode == "continuous":  # as docs/suite.md says
+        config.write_text(config.read_text().replace("epochs_per_task: 3",
+                                                     "mode: continuous\n  iterations_per_task: 40"))
+    _without_plots(monkeypatch)
+    assert main(["run", str(config), "--out", "whole", "--no-progress"]) == 0
+    with monkeypatch.context() as patch:
+        _crash_at(patch, 50)  # after the first evaluation's checkpoint (39 or 40 iterations)
+        with pytest.raises(_Crash):
+            main(["run", str(config), "--out", "resumed", "--no-progress"])
+    assert torch.load(example_dir / "resumed" / "checkpoint.pt")["iteration"] == (39 if mode == "discrete" else 40)
+    assert main(["run", str(config), "--out", "resumed", "--no-progress", "--resume"]) == 0
+    whole, resumed = (json.loads((example_dir / d / "summary.json").read_text()) for d in ("whole", "resumed"))
+    assert resumed["modes"] == whole["modes"]
+    assert _records(example_dir / "resumed") == _records(example_dir / "whole")
+    assert [r["iteration"] for r in _records(example_dir / "whole")] == ([39, 78] if mode == "discrete" else [40, 80])
+
+
+def test_resume_refuses_a_factory_that_returns_other_data(example_dir, monkeypatch, capsys) -> None:
+    _without_plots(monkeypatch)
+    with monkeypatch.context() as patch:
+        _crash_at(patch, 10)
+        with pytest.raises(_Crash):
+            main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--set", "checkpoint_every=5"])
+    module = example_dir / "two_tasks.py"
+    changed = module.read_text().replace("centres = 2 * torch.randn", "centres = 3 * torch.randn")
+    assert changed != module.read_text()
+    module.write_text(changed)
+    del sys.modules["two_tasks"]
+    assert main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foovb: error: --resume: scenario.factory 'two_tasks:make_tasks' returns other data than "
+                          "when the run started (SHA-256 ") and err.count("\n") == 1, err
+
+
+def test_factories_are_imported_from_the_config_files_directory(tmp_path, user_dir, monkeypatch, capsys) -> None:
+    folder, elsewhere = tmp_path / "experiment", tmp_path / "elsewhere"
+    folder.mkdir()
+    elsewhere.mkdir()
+    for name, content in page_files(SUITE_PAGE).items():
+        (folder / name).write_text(content)
+    monkeypatch.chdir(elsewhere)
+    _without_plots(monkeypatch)
+    path_before = list(sys.path)
+    assert main(["run", str(folder / "two_tasks.yaml"), "--set", "scenario.epochs_per_task=1", "--out", "r",
+                 "--no-progress"]) == 0
+    assert sys.modules["two_tasks"].__file__ == str(folder / "two_tasks.py")
+    assert sys.path == path_before  # the directories lead sys.path only while a factory is imported and called
+    assert main(["run", str(folder / "two_tasks.yaml"), "--set", "scenario.factory=nowhere:make_tasks", "--out",
+                 "r2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "foovb: error: scenario.factory 'nowhere:make_tasks': no module named 'nowhere'; 'module:function' imports "
+        f"the module from the working directory {elsewhere.resolve()}, then the config file's directory "
+        f"{folder.resolve()}, then sys.path (the installed packages): put nowhere.py there\n")
+
+
+BROKEN_FACTORIES = """import torch
+
+
+def raising(**kwargs):
+    raise RuntimeError("no data today")
+
+
+def number(**kwargs):
+    return 42
+
+
+def not_a_model(**kwargs):
+    return "mlp"
+
+
+def too_wide(input_shape, num_classes, **kwargs):
+    return torch.nn.Linear(input_shape[0], num_classes + 1)
+"""
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("scenario.factory=nowhere:make_tasks", "scenario.factory 'nowhere:make_tasks': no module named 'nowhere'; "
+     "'module:function' imports the module from the working directory {dir}, then sys.path (the installed "
+     "packages): put nowhere.py there"),
+    ("scenario.factory=two_tasks:make_taks", "scenario.factory 'two_tasks:make_taks': module 'two_tasks' "
+     "({dir}/two_tasks.py) has no attribute 'make_taks'; 'module:function' imports the module from the working "
+     "directory {dir}, then sys.path (the installed packages): put two_tasks.py there"),
+    ("scenario.factory=needs_more:make_tasks", "scenario.factory 'needs_more:make_tasks': importing needs_more "
+     "raised ModuleNotFoundError: No module named 'no_such_dependency' (at {dir}/needs_more.py:1)"),
+    ("scenario.factory=broken:raising",
+     "scenario.factory 'broken:raising' raised RuntimeError: no data today (at {dir}/broken.py:5)"),
+    ("scenario.factory=broken:number", "scenario.factory 'broken:number': expected a list of tasks, each a (train, "
+     "test) pair of torch Datasets, got int"),
+    ("scenario.args.n=3", "scenario.args: two_tasks:make_tasks cannot be called with them (got an unexpected "
+     "keyword argument 'n')"),
+    ("scenario.num_tasks=3", "scenario.num_tasks: 3, but scenario.factory 'two_tasks:make_tasks' returned 2 "
+     "task(s); set scenario.num_tasks: 2 (or fewer: the first tasks)"),
+    ("scenario.num_classes=3", "scenario.num_classes: 3, but the labels of scenario.factory 'two_tasks:make_tasks' "
+     "go up to 3"),
+    ("model.factory=broken:not_a_model", "model.factory 'broken:not_a_model': expected a torch.nn.Module, got str"),
+    ("model.factory=broken:too_wide", "model.factory 'broken:too_wide': its model maps inputs of shape (2, 20) to "
+     "(2, 5), expected logits of shape (2, 4) (4 classes)"),
+    ("model.args.num_classes=3", "model.args.num_classes: set by the runner (4, from the stream); leave it out"),
+    ("learner.kind=si", "learner.kind: 'si' needs task ids, and custom is task-agnostic"),
+])
+def test_a_factory_that_fails_is_one_error_line_naming_it(example_dir, capsys, change, message) -> None:
+    (example_dir / "broken.py").write_text(BROKEN_FACTORIES)
+    (example_dir / "needs_more.py").write_text("import no_such_dependency\n")
+    sets = [change, *(["learner.params={}"] if change.startswith("learner") else [])]
+    assert main(["run", "two_tasks.yaml", *(arg for item in sets for arg in ("--set", item)), "--out", "r",
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"foovb: error: {message.format(dir=example_dir.resolve())}\n"
+    assert not (example_dir / "r").exists()
+
+
+@pytest.mark.parametrize("kind", [kind for kind in LEARNERS if kind != "si"])  # si: the error line above
+def test_every_learner_trains_the_builtin_mlp_on_a_custom_stream(example_dir, monkeypatch, kind) -> None:
+    _without_plots(monkeypatch)
+    sets = [f"learner.kind={kind}", "learner.params={}", "model={kind: mlp, hidden: [16]}",
+            "scenario.epochs_per_task=1"]
+    assert main(["run", "two_tasks.yaml", *(arg for item in sets for arg in ("--set", item)), "--out", "r",
+                 "--no-progress"]) == 0
+    summary = json.loads((example_dir / "r" / "summary.json").read_text())
+    assert (summary["scenario"], summary["iterations"]) == ("custom", 26)
+    assert 0 <= summary["modes"]["mean"]["average_accuracy"] <= 1
+    trained = load_model(example_dir / "r")
+    config = runner.saved_config(example_dir / "r")
+    initial = runner.build_learner(config, runner.build_scenario(config), torch.device("cpu")).model
+    assert [layer.out_features for layer in trained if hasattr(layer, "out_features")] == [16, 4]  # 4 classes
+    assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trained.parameters(), strict=True))
+
+
+def test_a_custom_model_is_given_the_input_shape_and_the_logits_to_output(user_dir) -> None:
+    """The model factory takes them by **kwargs here; in the task-aware vision mix the logits are tasks x classes.
+    The model is built after torch.manual_seed(seed): the same weights every time."""
+    (user_dir / "nets.py").write_text(
+        "import torch\n\nGIVEN = []\n\n\ndef make(**given):\n    GIVEN.append(given)\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, given['num_classes']))\n")
+    config = config_from_dict(quick(**{"scenario.kind": "vision_mix", "scenario.data_dir": "d",
+                                       "model.kind": "custom", "model.hidden": "[100, 100]",
+                                       "model.factory": "nets:make", "model.args": "{depth: 1}"}))
+    stream = SimpleNamespace(num_tasks=2, task_aware=True, input_shape=(3, 32, 32), num_classes=10)
+    first, second = (runner.build_learner(config, stream, torch.device("cpu")) for _ in range(2))
+    assert sys.modules["nets"].GIVEN == [{"input_shape": (3, 32, 32), "num_classes": 20, "depth": 1}] * 2
+    assert first.model[-1].out_features == 20
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from foovb_suite import scenarios
 from foovb_suite.data import ImageDataset, load_mnist
@@ -15,7 +18,10 @@ from foovb_suite.learners import make_learner, make_model
 from foovb_suite.scenarios import (
     Batch,
     ContinuousPermutedMNIST,
+    ContinuousTasks,
     DiscretePermutedMNIST,
+    DiscreteTasks,
+    InMemoryTasks,
     JointStream,
     PermutedMNIST,
     RotatedMNIST,
@@ -248,9 +254,14 @@ def small_vision_datasets() -> list[ImageDataset]:
     return [dataset("gray", (1, 28, 28), 50, 6), dataset("color", (3, 32, 32), 30, 4)]
 
 
-@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint", "vision_joint", "rotated"])
+@pytest.mark.parametrize("kind", ["discrete", "continuous", "vision", "joint", "vision_joint", "rotated",
+                                  "custom_discrete", "custom_continuous"])
 def test_resuming_reproduces_the_tail_of_a_full_run(permuted_mnist, kind):
     def make(seed: int):
+        if kind == "custom_discrete":
+            return DiscreteTasks(numbered_tasks([50, 30]), epochs_per_task=2, batch_size=16, seed=seed)
+        if kind == "custom_continuous":
+            return ContinuousTasks(numbered_tasks([50, 30]), iterations_per_task=8, batch_size=16, seed=seed)
         if kind == "discrete":
             return DiscretePermutedMNIST(
                 permuted_mnist, epochs_per_task=2, batch_size=64, seed=seed, train_subset=300
@@ -500,3 +511,134 @@ def test_normalization_none_feeds_unit_pixels(permuted_mnist):
     torch.testing.assert_close(x, expected[:, plain.permutations[1]])
     with pytest.raises(ValueError, match="normalization"):
         PermutedMNIST(num_tasks=2, normalization="zscore")
+
+
+# --- your own tasks (the custom scenario) ------------------------------------------------------------------------
+
+
+def numbered_datasets(sizes: Sequence[int], test_size: int = 4) -> list[tuple[TensorDataset, TensorDataset]]:
+    """Tasks whose training example ``k`` of task ``t`` has inputs ``(t, k)`` (test examples: ``(t, -1 - k)``)
+    and label ``2t + k % 2``: a batch says which examples it holds."""
+    def dataset(task: int, indices: torch.Tensor) -> TensorDataset:
+        inputs = torch.stack([torch.full_like(indices, task), indices], 1).float()
+        return TensorDataset(inputs, 2 * task + indices.abs() % 2)
+
+    return [(dataset(task, torch.arange(size)), dataset(task, -1 - torch.arange(test_size)))
+            for task, size in enumerate(sizes)]
+
+
+def numbered_tasks(sizes: Sequence[int]) -> InMemoryTasks:
+    return InMemoryTasks.from_datasets(numbered_datasets(sizes))
+
+
+class _ListDataset(Dataset):
+    """A map-style Dataset over a list of examples, as they are."""
+
+    def __init__(self, examples: list) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int):
+        return self.examples[index]
+
+
+def test_in_memory_tasks_read_datasets_and_infer_the_input_shape_and_classes():
+    image = np.arange(6, dtype=np.uint8).reshape(1, 2, 3)  # arrays and integer labels of several kinds
+    train = _ListDataset([(image, 0), (torch.ones(1, 2, 3), np.int64(4)), (image.tolist(), torch.tensor(2))])
+    test = _ListDataset([(image, np.array(1))])
+    tasks = InMemoryTasks.from_datasets([(train, test)])
+    assert (tasks.num_tasks, tasks.input_shape, tasks.num_classes, tasks.train_sizes) == (1, (1, 2, 3), 5, (3,))
+    x, y = tasks.test_set(0)
+    assert x.dtype == torch.float32 and torch.equal(x[0], torch.from_numpy(image).float())
+    assert y.tolist() == [1]
+    batch = tasks.train_batch(torch.tensor([0, 0]), torch.tensor([2, 1]))
+    assert batch.y.tolist() == [2, 4] and torch.equal(batch.x[1], torch.ones(1, 2, 3))
+    assert InMemoryTasks.from_datasets([(train, test)], num_classes=7).num_classes == 7
+    subset = InMemoryTasks.from_datasets(numbered_datasets([10, 6]), train_subset=5)
+    assert subset.train_sizes == (5, 5) and subset.num_classes == 4
+    assert subset.digest() == InMemoryTasks.from_datasets(numbered_datasets([10, 6]), train_subset=5).digest()
+    assert subset.digest() != InMemoryTasks.from_datasets(numbered_datasets([10, 6]), train_subset=4).digest()
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(2), 0
+
+
+@pytest.mark.parametrize(("tasks", "options", "message"), [
+    (42, {}, r"expected a list of tasks, each a \(train, test\) pair of torch Datasets, got int"),
+    ([], {}, "got an empty list"),
+    ([numbered_datasets([3])[0][0]], {}, r"task 0: expected a \(train, test\) pair, got TensorDataset"),
+    ([(torch.zeros(3, 2), torch.zeros(3, 2))], {}, "task 0's training set: expected a map-style torch Dataset .*got "
+                                                    "Tensor"),
+    ([(_Stream(), _Stream())], {}, "task 0's training set: .*got an IterableDataset, which cannot be indexed"),
+    ([(_ListDataset([torch.zeros(2)]), _ListDataset([]))], {},
+     r"task 0's training set, example 0: expected an \(x, y\) pair, got Tensor"),
+    ([(_ListDataset([(torch.zeros(2), 0.5)]), _ListDataset([]))], {},
+     "example 0: the label is 0.5, expected an integer class index >= 0"),
+    ([(_ListDataset([(torch.zeros(2), torch.tensor(-1))]), _ListDataset([]))], {}, "the label is tensor\\(-1\\)"),
+    ([(_ListDataset([(torch.zeros(2), 0), (torch.zeros(3), 1)]), _ListDataset([]))], {},
+     r"example 1: x has shape \(3,\), example 0 \(2,\); every example's x must have one shape"),
+    ([(_ListDataset([("a picture", 0)]), _ListDataset([]))], {}, "example 0: x is a str, not convertible"),
+    ([(_ListDataset([(torch.zeros(2), 0)]), _ListDataset([]))], {}, "task 0's test set is empty"),
+    ([*numbered_datasets([3]), (TensorDataset(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long)),) * 2], {},
+     r"task 1's training set: inputs of shape \(5,\), but task 0's training inputs have shape \(2,\)"),
+    (numbered_datasets([3]), {"train_subset": 4}, r"task 0's training set has 3 examples, fewer than train_subset"),
+    (numbered_datasets([3]), {"num_classes": 1}, "num_classes is 1, but the labels go up to 1"),
+])
+def test_in_memory_tasks_refuse_what_is_not_a_stream_of_tasks_naming_it(tasks, options, message):
+    with pytest.raises(ValueError, match=message):
+        InMemoryTasks.from_datasets(tasks, **options)
+
+
+def test_a_dataset_that_fails_is_named_with_the_example():
+    class Broken(_ListDataset):
+        def __getitem__(self, index: int):
+            raise OSError(f"cannot read file {index}")
+
+    with pytest.raises(ValueError, match="task 0's training set, example 0: reading it raised OSError: cannot read"):
+        InMemoryTasks.from_datasets([(Broken([None]), Broken([None]))])
+
+
+def test_discrete_tasks_train_each_task_for_its_epochs_in_order(monkeypatch):
+    stream = DiscreteTasks(numbered_tasks([10, 6]), epochs_per_task=2, batch_size=4, seed=3)
+    assert (stream.num_tasks, stream.task_aware, stream.input_shape, stream.num_classes) == (2, False, (2,), 4)
+    assert stream.eval_points == (6, 10)  # 3 then 2 batches per epoch, 2 epochs each
+    batches = [batch for _, batch in stream.batches()]
+    seen = [batch.x[:, 1].long() for batch in batches]  # the inputs hold each example's index
+    for task, (first, last, size) in enumerate([(0, 3, 10), (3, 6, 10), (6, 8, 6), (8, 10, 6)]):
+        epoch = torch.cat(seen[first:last])
+        assert sorted(epoch.tolist()) == list(range(size))  # every example of the task once per epoch
+        assert all((batch.x[:, 0] == task // 2).all() and (batch.task == task // 2).all()
+                   for batch in batches[first:last])
+    assert not torch.equal(torch.cat(seen[0:3]), torch.cat(seen[3:6]))  # reshuffled every epoch
+    for batch in batches:
+        assert torch.equal(batch.y, 2 * batch.task + batch.x[:, 1].long() % 2)
+    x, y = stream.test_set(1)
+    assert x[:, 0].eq(1).all() and y.tolist() == [3, 2, 3, 2]
+
+
+def test_continuous_tasks_mix_on_the_continuous_schedule_drawing_from_each_task():
+    tasks = numbered_tasks([40, 12, 20])
+    stream = ContinuousTasks(tasks, iterations_per_task=30, batch_size=12, seed=1, eval_every=20)
+    reference = ContinuousPermutedMNIST.__new__(ContinuousPermutedMNIST)  # the schedule, without loading MNIST
+    reference.num_tasks, reference.iterations_per_task = 3, 30
+    iterations = torch.arange(stream.num_iterations)
+    assert torch.equal(stream.task_probabilities(iterations), reference.task_probabilities(iterations))
+    assert stream.eval_points == (20, 30, 40, 60, 80, 90)
+    counts = torch.zeros(stream.num_iterations, 3)
+    for iteration, batch in stream.batches():
+        assert len(batch.y) == 12
+        counts[iteration] = torch.bincount(batch.task, minlength=3)
+        for task in batch.task.unique().tolist():
+            rows = batch.task == task
+            indices = batch.x[rows, 1].long()
+            assert (batch.x[rows, 0] == task).all() and len(indices.unique()) == len(indices)
+            assert int(indices.max()) < tasks.train_sizes[task]  # drawn from the task's own training set
+    probabilities = stream.task_probabilities(iterations)
+    assert not ((counts > 0) & (probabilities == 0)).any()
+    assert ((counts > 0).sum(1) == 2).any()  # mixing happens
+    with pytest.raises(ValueError, match="batch_size 13 exceeds the 12 training examples of a task"):
+        ContinuousTasks(tasks, iterations_per_task=30, batch_size=13)

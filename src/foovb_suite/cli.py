@@ -71,13 +71,17 @@ def _configs(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Train one config; a diverging run exits with 1, Ctrl-C with 130, SIGTERM with 143 (each with one message,
-    no traceback)."""
+    no traceback). The custom scenario's and model's factories are imported from the working directory, then the
+    config file's directory (`foovb_suite.custom`)."""
+    from .custom import config_directory
     from .runner import TrainingDiverged, run
 
-    config = load_config(config_path(args.config), args.set)
+    path = config_path(args.config)
+    config = load_config(path, args.set)
     run_dir = Path(args.out) if args.out else default_run_dir(config)
     try:
-        summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
+        with config_directory(path):
+            summary = run(config, run_dir, resume=args.resume, progress=not args.no_progress)
     except TrainingDiverged as error:
         print(f"foovb: error: {error}", file=sys.stderr)
         return 1

@@ -27,23 +27,32 @@ from .data.datasets import DATASET_NAMES
 __all__ = ["ConfigError", "Config", "load_config", "apply_overrides", "config_from_dict", "config_to_dict"]
 
 SCENARIOS = ("discrete_permuted_mnist", "continuous_permuted_mnist", "vision_mix", "split_mnist",
-             "rotated_mnist")
+             "rotated_mnist", "custom")
 PERMUTED_MNIST = SCENARIOS[:2]
 MNIST_STREAMS = (*PERMUTED_MNIST, "split_mnist", "rotated_mnist")
-CONTINUOUS = ("continuous_permuted_mnist", "rotated_mnist")  # streams evaluated by iteration, not by task
-# scenario keys read by some scenarios only; the others must leave them at their defaults
+CUSTOM_MODES = ("discrete", "continuous")  # the custom scenario's tasks: one after another, or mixed gradually
+CUSTOM_DISCRETE, CUSTOM_CONTINUOUS = CUSTOM_STREAMS = tuple(f"custom (mode: {mode})" for mode in CUSTOM_MODES)
+# streams evaluated by iteration, not by task
+CONTINUOUS = ("continuous_permuted_mnist", "rotated_mnist", CUSTOM_CONTINUOUS)
+# scenario keys read by some streams only (`stream_of`); the others must leave them at their defaults
 SCENARIO_KEYS = {
-    "epochs_per_task": ("discrete_permuted_mnist", "vision_mix", "split_mnist"),
+    "epochs_per_task": ("discrete_permuted_mnist", "vision_mix", "split_mnist", CUSTOM_DISCRETE),
     "iterations_per_task": CONTINUOUS,
     "max_angle": ("rotated_mnist",),
     "pad_to_32": MNIST_STREAMS,
     "normalization": MNIST_STREAMS,
-    "train_subset": ("discrete_permuted_mnist", "vision_mix"),
+    "train_subset": ("discrete_permuted_mnist", "vision_mix", *CUSTOM_STREAMS),
     "eval_every": CONTINUOUS,
     "data_dir": ("vision_mix",),
     "datasets": ("vision_mix",),
     "task_agnostic": ("vision_mix",),
+    "mode": CUSTOM_STREAMS,
+    "factory": CUSTOM_STREAMS,
+    "args": CUSTOM_STREAMS,
+    "num_classes": CUSTOM_STREAMS,
 }
+FACTORY_PATTERN = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""A factory: "module:function", the module (dotted) importable, the function an attribute of it (dotted)."""
 
 
 MAX_YAML_DEPTH = 100
@@ -131,6 +140,10 @@ class ScenarioConfig:
     data_dir: str | None = None  # vision mix: where its datasets are (also looked for where system packages put them)
     datasets: list[str] = field(default_factory=lambda: ["mnist", "notmnist", "fashion_mnist", "svhn", "cifar10"])
     seed: int = 0  # the data streams (permutations, batch order): in [0, 2**32)
+    mode: str = "discrete"  # custom: the tasks one after another ("discrete") or mixed gradually ("continuous")
+    factory: str | None = None  # custom: "module:function" returning the tasks, a list of (train, test) Datasets
+    args: dict[str, Any] = field(default_factory=dict)  # custom: the factory's keyword arguments
+    num_classes: int | None = None  # custom: the output size (default: the largest label + 1)
 
 
 @dataclass
@@ -138,6 +151,8 @@ class ModelConfig:
     kind: str = "mlp"
     hidden: list[int] = field(default_factory=lambda: [100, 100])
     bias: bool = True  # mlp: biases in every layer (MESU's comparison network has none)
+    factory: str | None = None  # custom: "module:function" returning the nn.Module
+    args: dict[str, Any] = field(default_factory=dict)  # custom: the factory's keyword arguments
 
 
 @dataclass
@@ -227,6 +242,31 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def stream_of(scenario: ScenarioConfig) -> str:
+    """The stream a scenario config describes, which decides the keys it reads (`SCENARIO_KEYS`): its kind, and for
+    the custom scenario its mode too ("custom (mode: continuous)")."""
+    return f"custom (mode: {scenario.mode})" if scenario.kind == "custom" else scenario.kind
+
+
+def is_continuous(scenario: ScenarioConfig) -> bool:
+    """Whether the stream is evaluated by iteration (its tasks mixed, or a drift), not at task ends."""
+    return stream_of(scenario) in CONTINUOUS
+
+
+def _check_factory(section: str, factory: str | None, args: dict[str, Any], kind: str, returns: str) -> None:
+    """The custom scenario's or model's `factory` and `args` (keys `section`.factory and `section`.args): a
+    "module:function" string and keyword arguments; no import here (`foovb_suite.custom` imports it)."""
+    if factory is None:
+        raise ConfigError(f"{section}.factory: the custom {kind} needs one, 'module:function': a function of a "
+                          f"Python module that returns {returns}")
+    if not FACTORY_PATTERN.fullmatch(factory):
+        raise ConfigError(f"{section}.factory: expected 'module:function' (e.g. 'my_tasks:make_tasks', the module "
+                          f"my_tasks.py in the working directory or the config file's), got {factory!r}")
+    bad = next((key for key in args if not isinstance(key, str) or not key.isidentifier()), None)
+    if bad is not None:
+        raise ConfigError(f"{section}.args: keyword arguments of the factory are named by identifiers, got {bad!r}")
+
+
 def _positive(key: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise ConfigError(f"{key}: must be a positive integer, got {value}")
@@ -249,11 +289,17 @@ def validate(config: Config) -> Config:
             raise ConfigError(f"{key}: must be in [0, 2**{bits}), got {seed}")
     if s.normalization not in ("standard", "none"):
         raise ConfigError(f"scenario.normalization: must be 'standard' or 'none', got {s.normalization!r}")
+    if s.mode not in CUSTOM_MODES:
+        raise ConfigError(f"scenario.mode: must be {' or '.join(map(repr, CUSTOM_MODES))}, got {s.mode!r}")
     defaults = ScenarioConfig()
-    for key, kinds in SCENARIO_KEYS.items():
-        if s.kind not in kinds and getattr(s, key) != getattr(defaults, key):
-            raise ConfigError(f"scenario.{key}: not read by the {s.kind} scenario (only by {', '.join(kinds)}); "
-                              "leave it out")
+    for key, streams in SCENARIO_KEYS.items():
+        if stream_of(s) not in streams and getattr(s, key) != getattr(defaults, key):
+            raise ConfigError(f"scenario.{key}: not read by the {stream_of(s)} scenario (only by "
+                              f"{', '.join(streams)}); leave it out")
+    if s.kind == "custom":
+        _check_factory("scenario", s.factory, s.args, "scenario", "its tasks, a list of (train, test) pairs of "
+                       "torch Datasets")
+        _positive("scenario.num_classes", s.num_classes)
     if s.kind == "vision_mix":
         unknown = sorted(set(s.datasets) - set(DATASET_NAMES))
         if unknown:
@@ -274,12 +320,18 @@ def validate(config: Config) -> Config:
                           "batches mix the tasks; run the oracle with a plain optimiser (sgd, adam)")
     if s.kind == "split_mnist" and s.num_tasks > 5:
         raise ConfigError(f"scenario.num_tasks: Split MNIST has 5 digit pairs, got {s.num_tasks}")
-    if config.model.kind not in ("mlp", "lenet"):
-        raise ConfigError(f"model.kind: unknown model {config.model.kind!r} (known: mlp, lenet)")
-    if config.model.kind == "lenet" and config.model.hidden != ModelConfig().hidden:
-        raise ConfigError("model.hidden: the lenet model has fixed layers; hidden sizes are for the mlp")
-    if config.model.kind == "lenet" and not config.model.bias:
-        raise ConfigError("model.bias: the lenet model has fixed layers; bias: false is for the mlp")
+    m, model_defaults = config.model, ModelConfig()
+    if m.kind not in ("mlp", "lenet", "custom"):
+        raise ConfigError(f"model.kind: unknown model {m.kind!r} (known: mlp, lenet, custom)")
+    if m.kind != "mlp" and m.hidden != model_defaults.hidden:
+        raise ConfigError(f"model.hidden: the {m.kind} model's layers are not set here; hidden sizes are for the mlp")
+    if m.kind != "mlp" and not m.bias:
+        raise ConfigError(f"model.bias: the {m.kind} model's layers are not set here; bias: false is for the mlp")
+    if m.kind == "custom":
+        _check_factory("model", m.factory, m.args, "model", "the torch.nn.Module")
+    elif m.factory != model_defaults.factory or m.args != model_defaults.args:
+        raise ConfigError(f"model.{'factory' if m.factory is not None else 'args'}: read by the custom model only, "
+                          f"not the {m.kind}; leave it out")
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
     if not (math.isfinite(config.checkpoint_minutes) and config.checkpoint_minutes > 0):

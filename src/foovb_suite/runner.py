@@ -46,13 +46,13 @@ from foovb.priors import XAVIER
 from . import metrics, plots
 from .baselines import BASELINES
 from .config import (
-    CONTINUOUS,
     EXECUTION_KEYS,
     EXECUTION_SCENARIO_KEYS,
     Config,
     ConfigError,
     config_from_dict,
     config_to_dict,
+    is_continuous,
     parse_yaml,
     what_it_computes,
 )
@@ -68,6 +68,7 @@ from .rundir import (
     send_to_devnull,
     write_atomically,
 )
+from .scenarios import data_digest
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -76,10 +77,14 @@ RunResult = dict[str, Any]
 
 
 def build_scenario(config: Config):
-    """The data stream of the config (imported lazily: MNIST loads in about a second)."""
+    """The data stream of the config (imported lazily: MNIST loads in about a second). The custom scenario's
+    factory is imported as `foovb_suite.custom` says (a `ConfigError` naming it if it fails)."""
+    from .custom import custom_tasks
     from .scenarios import (
         ContinuousPermutedMNIST,
+        ContinuousTasks,
         DiscretePermutedMNIST,
+        DiscreteTasks,
         JointStream,
         PermutedMNIST,
         RotatedMNIST,
@@ -88,7 +93,13 @@ def build_scenario(config: Config):
     )
 
     s = config.scenario
-    if s.kind == "vision_mix":
+    if s.kind == "custom":
+        tasks = custom_tasks(s)
+        if s.mode == "discrete":
+            scenario = DiscreteTasks(tasks, s.epochs_per_task, s.batch_size, s.seed)
+        else:
+            scenario = ContinuousTasks(tasks, s.iterations_per_task, s.batch_size, s.seed, s.eval_every)
+    elif s.kind == "vision_mix":
         scenario = VisionMix(s.datasets[: s.num_tasks], s.data_dir, s.epochs_per_task, s.batch_size, s.seed,
                              s.train_subset, s.task_agnostic)
     elif s.kind == "rotated_mnist":
@@ -126,8 +137,16 @@ def build_learner(config: Config, scenario, device: torch.device) -> Learner:
         raise ConfigError(f"learner.kind: {kind!r} needs task ids, and {config.scenario.kind} is task-agnostic")
     torch.manual_seed(config.seed)
     num_heads = scenario.num_tasks if scenario.task_aware else 1
-    model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
-                       config.model.hidden, config.model.bias).to(device)
+    if config.model.kind == "custom":
+        from .custom import custom_model
+
+        model = custom_model(config.model, scenario.input_shape, scenario.num_classes * num_heads, device)
+    else:
+        if config.model.kind == "lenet" and len(scenario.input_shape) != 3:
+            raise ConfigError(f"model.kind: the lenet model takes images (channels, height, width); the "
+                              f"{config.scenario.kind} scenario's inputs have shape {tuple(scenario.input_shape)}")
+        model = make_model(config.model.kind, scenario.input_shape, scenario.num_classes, num_heads,
+                           config.model.hidden, config.model.bias).to(device)
     try:
         return make_learner(kind, model, num_heads=num_heads, classes_per_head=scenario.num_classes,
                             seed=config.seed, **params)
@@ -152,7 +171,7 @@ def resolve_device(name: str) -> torch.device:
 
 def task_ends(config: Config, scenario) -> list[int]:
     """Iteration count at which each task's period ends (stage boundaries for "tasks seen so far")."""
-    if config.scenario.kind in CONTINUOUS:
+    if is_continuous(config.scenario):
         d = config.scenario.iterations_per_task
         return [(t + 1) * d for t in range(scenario.num_tasks)]
     inner = getattr(scenario, "scenario", scenario)  # JointStream wraps the sequential scenario
@@ -162,7 +181,7 @@ def task_ends(config: Config, scenario) -> list[int]:
 def tasks_seen(records: list[dict], config: Config) -> list[float]:
     """The x values of the curve plots: the task count at each evaluation (stage + 1), fractional in the
     continuous scenario, whose evaluations every `eval_every` iterations fall inside task periods."""
-    if config.scenario.kind in CONTINUOUS:
+    if is_continuous(config.scenario):
         return [r["iteration"] / config.scenario.iterations_per_task for r in records]
     return [r["stage"] + 1 for r in records]
 
@@ -353,12 +372,22 @@ def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _with_defaults(computed: dict[str, Any]) -> dict[str, Any]:
+    """A computed config (`what_it_computes`) as recorded in a checkpoint, with the keys added to `Config` since it
+    was written at their defaults (as is, if it no longer parses)."""
+    try:
+        return what_it_computes(config_to_dict(config_from_dict(computed)))
+    except ConfigError:
+        return computed
+
+
 def _run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | None, computed: dict[str, Any],
-                  scenario) -> str:
+                  data: str | None, scenario) -> str:
     """The identity of the run in `run_dir`: a new one for a new run; on --resume, the one run.json holds, after
     checking that the checkpoint `state` belongs to it: the same identity, the same computed config as config.yaml
-    and the command line (`computed`), records that fit this scenario. A checkpoint of another run, copied in, or
-    one written under another config (config.yaml edited since) is a CheckpointError naming what differs."""
+    and the command line (`computed`), the same data (`data`: the custom scenario's digest), records that fit this
+    scenario. A checkpoint of another run, copied in, one written under another config (config.yaml edited since)
+    or on other data (a factory that returns other data now) is a CheckpointError naming what differs."""
     advice = "resume it in its own run directory, or start a new run in another directory (--out)"
     recorded = _read_run_id(run_dir)
     if state is None:
@@ -373,7 +402,7 @@ def _run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | 
         here = f"this directory's {RUN_FILE} says {recorded}" if recorded else f"this directory has no {RUN_FILE}"
         raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; {here}): it "
                               f"was copied from another run directory; {advice}")
-    saved, here = _flatten(run["config"]), _flatten(computed)
+    saved, here = _flatten(_with_defaults(run["config"])), _flatten(computed)
     changed = sorted(key for key in saved.keys() | here.keys() if saved.get(key) != here.get(key))
     if changed:
         details = "; ".join(f"{key}: checkpoint {saved.get(key, '(absent)')!r}, config.yaml and command line "
@@ -381,6 +410,11 @@ def _run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | 
         raise CheckpointError(f"--resume: {checkpoint_path} was written under another config than "
                               f"{run_dir / 'config.yaml'} says ({details}{'; ...' if len(changed) > 6 else ''}): "
                               f"config.yaml was edited after the run started; restore it, or start a new run")
+    if run.get("data") != data:
+        raise CheckpointError(f"--resume: scenario.factory {computed['scenario']['factory']!r} returns other data "
+                              f"than when the run started (SHA-256 {data}, the checkpoint's {run.get('data')}): a "
+                              "factory must return the same data at every call (seed its randomness, e.g. from its "
+                              "args); restore it, or start a new run")
     return recorded
 
 
@@ -441,7 +475,7 @@ class _TrainingLoop:
                  main_process: bool, state: dict[str, Any] | None, confirm_lock: Callable[[], None],
                  run: dict[str, Any]):
         self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
-        self.run = run  # what every checkpoint records it belongs to: the run's identity and computed config
+        self.run = run  # what every checkpoint records it belongs to: the run's identity, computed config, data
         self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
         state = state or {"iteration": 0, "records": [], "train_seconds": 0.0, "stds": {}}
@@ -636,7 +670,8 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                               f"({details}{', ...' if len(changed) > 6 else ''}); only {', '.join(EXECUTION_KEYS)} "
                               f"and {', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
     state = _load_checkpoint(checkpoint_path) if resume else None
-    run_id = _run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), scenario)
+    data = data_digest(scenario)
+    run_id = _run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), data, scenario)
     if state is not None:
         _load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
@@ -651,7 +686,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
             _write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock,
-                         {"id": run_id, "config": what_it_computes(resolved)})
+                         {"id": run_id, "config": what_it_computes(resolved), "data": data})
     bar = None
     if progress and main_process:
         from tqdm import tqdm
