@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import page_files
+from conftest import TINY, page_files
 
 from foovb_suite import metrics, plots, runner
 from foovb_suite.cli import main
@@ -1069,3 +1069,118 @@ def test_a_custom_model_is_given_the_input_shape_and_the_logits_to_output(user_d
     assert sys.modules["nets"].GIVEN == [{"input_shape": (3, 32, 32), "num_classes": 20, "depth": 1}] * 2
     assert first.model[-1].out_features == 20
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))
+
+
+def _tensorboard_events(run_dir: Path):
+    """The EventAccumulator of a run's RUN/tensorboard/ event files, every point kept."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    return events
+
+
+def _steps(events, tag: str) -> list[int]:
+    return [point.step for point in events.Scalars(tag)]
+
+
+def test_tensorboard_logs_loss_accuracies_and_posterior_stds_during_the_run(tmp_path, capsys) -> None:
+    """TINY (20 iterations, evaluations after 10 and 20) with --tensorboard: the loss every tensorboard_every
+    iterations, each task's accuracy in every mode at each evaluation (metrics.jsonl's), FOO-VB's STDs per layer."""
+    pytest.importorskip("tensorboard")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    run_dir = tmp_path / "r"
+    assert main(["run", str(config), "--set", "threads=1", "--set", "tensorboard_every=3", "--out", str(run_dir),
+                 "--no-progress", "--tensorboard"]) == 0, capsys.readouterr().err
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["tensorboard"] is True and saved["tensorboard_every"] == 3
+    events = _tensorboard_events(run_dir)
+    assert _steps(events, "train/loss") == [3, 6, 9, 12, 15, 18]
+    assert all(0 < point.value < 10 for point in events.Scalars("train/loss"))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [10, 20]
+    for mode in ("mean", "bma", "single"):
+        for task in range(2):
+            points = events.Scalars(f"accuracy/{mode}/task_{task}")
+            assert [p.step for p in points] == [10, 20]
+            np.testing.assert_allclose([p.value for p in points], [r["accuracy"][mode][task] for r in records],
+                                       rtol=1e-6)
+        average = [p.value for p in events.Scalars(f"accuracy/{mode}/average_seen")]
+        np.testing.assert_allclose(average, [records[0]["accuracy"][mode][0], np.mean(records[1]["accuracy"][mode])],
+                                   rtol=1e-6)
+    layers = [f"{i}.{kind}" for i in (1, 3, 5) for kind in ("weight", "bias")]
+    assert sorted(events.Tags()["histograms"]) == sorted(f"posterior_std/{name}" for name in layers)
+    final = np.load(run_dir / "stds.npz")["iteration_20"]  # every weight's STD, layer after layer
+    for name in layers:
+        assert [h.step for h in events.Histograms(f"posterior_std/{name}")] == [10, 20]
+        low, mean, high = (events.Scalars(f"posterior_std/{name}/{s}")[-1].value for s in ("min", "mean", "max"))
+        assert 0 < low <= mean <= high
+    minima = [events.Scalars(f"posterior_std/{name}/min")[-1].value for name in layers]
+    np.testing.assert_allclose(min(minima), final.min(), rtol=1e-6)
+
+
+def test_tensorboard_of_a_baseline_has_no_stds_and_resume_may_turn_it_on(tmp_path) -> None:
+    """SGD has no posterior: accuracies (mean mode only) and loss, no STD tags. `tensorboard` is an execution
+    setting: a run started without it resumes with it, logging from the checkpoint on."""
+    pytest.importorskip("tensorboard")
+    data = {**TINY, "learner": {"kind": "sgd", "params": {}}, "threads": 1}
+    assert run(config_from_dict(data), tmp_path / "r", progress=False, stop_after=5) == {"interrupted_at": 5}
+    assert not (tmp_path / "r" / "tensorboard").exists()
+    run(config_from_dict({**data, "tensorboard": True, "tensorboard_every": 2}), tmp_path / "r", resume=True,
+        progress=False)
+    events = _tensorboard_events(tmp_path / "r")
+    assert _steps(events, "train/loss") == [6, 8, 10, 12, 14, 16, 18, 20]
+    assert sorted(events.Tags()["scalars"]) == sorted(["train/loss", "accuracy/mean/average_seen",
+                                                       "accuracy/mean/task_0", "accuracy/mean/task_1"])
+    assert events.Tags()["histograms"] == []
+    assert _steps(events, "accuracy/mean/task_1") == [10, 20]
+
+
+def test_tensorboard_resumes_a_crashed_run_in_the_same_directory(tmp_path, monkeypatch) -> None:
+    """A crash after 13 iterations (checkpoint after 10): the event file is closed on the way out, and the resumed
+    run adds its own, purging the interrupted run's points after the checkpoint (purge_step), so that every step
+    has one point."""
+    pytest.importorskip("tensorboard")
+    config = config_from_dict({**TINY, "threads": 1, "tensorboard": True, "tensorboard_every": 2})
+    _crash_at(monkeypatch, 13)
+    with pytest.raises(_Crash):
+        run(config, tmp_path / "r", progress=False)
+    events = _tensorboard_events(tmp_path / "r")
+    assert _steps(events, "train/loss") == [2, 4, 6, 8, 10, 12]
+    assert _steps(events, "accuracy/mean/task_0") == [10]
+    crashed_twelve = events.Scalars("train/loss")[-1]
+    monkeypatch.undo()
+    run(config, tmp_path / "r", resume=True, progress=False)
+    assert len(list((tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = _tensorboard_events(tmp_path / "r")
+    assert _steps(events, "train/loss") == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    assert _steps(events, "accuracy/mean/task_0") == [10, 20]
+    assert [h.step for h in events.Histograms("posterior_std/1.weight")] == [10, 20]
+    # step 12 (the mean loss of iterations 11 and 12) is the resumed run's point, of the same value (resume repeats
+    # the same steps)
+    twelve = events.Scalars("train/loss")[5]
+    assert twelve.wall_time > crashed_twelve.wall_time and twelve.value == crashed_twelve.value
+
+
+def test_tensorboard_without_its_package_is_one_error_line_before_anything_is_written(tmp_path, capsys,
+                                                                                    monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    assert main(["run", str(config), "--out", str(tmp_path / "r"), "--no-progress", "--tensorboard"]) == 2
+    assert capsys.readouterr().err == ('foovb: error: --tensorboard needs the tensorboard package: '
+                                       'pip install "foovb[tensorboard]"\n')
+    assert not (tmp_path / "r").exists()
+
+
+def test_tensorboard_is_an_execution_setting_kept_by_the_resume_command(tmp_path) -> None:
+    """Runs that differ in it are one experiment (`foovb compare`), and the command printed on Ctrl-C keeps it."""
+    from foovb_suite.cli import _interrupted_message, build_parser
+
+    assert experiment_key(quick(tensorboard="true", tensorboard_every=5)) == experiment_key(quick())
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    args = build_parser().parse_args(["run", "c.yaml", "--out", str(tmp_path), "--no-progress", "--tensorboard"])
+    assert _interrupted_message("saved", args, tmp_path).endswith(
+        f"resume with: foovb run c.yaml --out {tmp_path} --resume --no-progress --tensorboard")

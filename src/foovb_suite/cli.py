@@ -1,4 +1,4 @@
-"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume]`, `foovb configs`,
+"""Command line: `foovb run CONFIG [--set key=value ...] [--out DIR] [--resume] [--tensorboard]`, `foovb configs`,
 `foovb compare RUN_DIR...` and `foovb plot MATRIX_CSV...`."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
     from .runner import TrainingDiverged, run
 
     path = config_path(args.config)
-    config = load_config(path, args.set)
+    config = load_config(path, [*args.set, *(["tensorboard=true"] if args.tensorboard else [])])
     run_dir = Path(args.out) if args.out else default_run_dir(config)
     try:
         with config_directory(path):
@@ -107,7 +107,8 @@ def _interrupted_message(saved: str, args: argparse.Namespace, run_dir: Path, si
     if not (run_dir / "checkpoint.pt").is_file():
         return message
     command = ["foovb", "run", args.config, *(part for value in args.set for part in ("--set", value)),
-               "--out", str(run_dir), "--resume", *(["--no-progress"] if args.no_progress else [])]
+               "--out", str(run_dir), "--resume", *(["--no-progress"] if args.no_progress else []),
+               *(["--tensorboard"] if args.tensorboard else [])]
     return f"{message}; resume with: {shlex.join(command)}"
 
 
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--out", help="run directory (default runs/<name>)")
     p_run.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_run.add_argument("--tensorboard", action="store_true",
+                       help="write TensorBoard event files under RUN/tensorboard/ during the run (config key "
+                            "tensorboard: true; needs the tensorboard package)")
     p_run.set_defaults(func=_run)
     p_cfg = sub.add_parser("configs", help="list the bundled experiment configs (one per paper experiment)")
     p_cfg.set_defaults(func=_configs)

@@ -168,8 +168,9 @@ class EvalConfig:
 
 
 # How a run executes, not what it computes: `--resume` accepts a change of these (e.g. resuming on a machine with
-# more cores or a GPU); a different thread count or device may change the last bits of floating-point results.
-EXECUTION_KEYS = ("threads", "device", "checkpoint_every", "checkpoint_minutes")
+# more cores or a GPU, or watching it in TensorBoard); a different thread count or device may change the last bits
+# of floating-point results.
+EXECUTION_KEYS = ("threads", "device", "checkpoint_every", "checkpoint_minutes", "tensorboard", "tensorboard_every")
 # Where a run reads its data, not what it computes: `--resume` accepts a new data directory too (the run moved to a
 # machine that keeps the datasets elsewhere, or resumed from another working directory: a relative one), and
 # `foovb compare` takes runs that differ in it for seeds of one experiment.
@@ -196,6 +197,8 @@ class Config:
     checkpoint_minutes: float = 5.0  # and at most this long between checkpoints (a SIGKILL loses at most that much)
     threads: int | None = None  # torch.set_num_threads
     device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda" or "cuda:N"
+    tensorboard: bool = False  # write TensorBoard event files under RUN/tensorboard/ during the run (--tensorboard)
+    tensorboard_every: int = 50  # iterations between the training-loss points of the TensorBoard log
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -334,6 +337,7 @@ def validate(config: Config) -> Config:
                           f"not the {m.kind}; leave it out")
     _positive("evaluation.test_subset", config.evaluation.test_subset)
     _positive("checkpoint_every", config.checkpoint_every)
+    _positive("tensorboard_every", config.tensorboard_every)
     if not (math.isfinite(config.checkpoint_minutes) and config.checkpoint_minutes > 0):
         raise ConfigError(f"checkpoint_minutes: expected a positive number, got {config.checkpoint_minutes!r}")
     _positive("threads", config.threads)

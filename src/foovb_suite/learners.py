@@ -104,8 +104,11 @@ class FOOVBLearner:
 
     def posterior_std(self) -> np.ndarray:
         """Marginal posterior STD of every weight (the paper's STD histograms)."""
-        return torch.cat([self.optimizer.posterior(p).std.flatten() for p in self.model.parameters()
-                          if p.requires_grad]).cpu().numpy()
+        return torch.cat([std.flatten() for std in self.posterior_stds().values()]).cpu().numpy()
+
+    def posterior_stds(self) -> dict[str, Tensor]:
+        """Marginal posterior STDs of each trained parameter tensor, by parameter name (the TensorBoard log)."""
+        return {name: self.optimizer.posterior(p).std for name, p in self.model.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict()}

@@ -205,6 +205,10 @@ class MESULearner:
         """sigma of every weight (the STD histograms)."""
         return torch.cat([std.flatten() for std in self.stds.values()]).cpu().numpy()
 
+    def posterior_stds(self) -> dict[str, Tensor]:
+        """sigma of each parameter tensor, by parameter name (the TensorBoard log)."""
+        return dict(self.stds)
+
     def state_dict(self) -> dict[str, Any]:
         return {"learner": self.name, "model": self.model.state_dict(), "stds": dict(self.stds),
                 "generator": self.generator.get_state(), "sigma_reflections": self.sigma_reflections}

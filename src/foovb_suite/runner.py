@@ -14,6 +14,8 @@ Run directory layout:
                              `load_learner` and `load_model`); tensors and plain Python values only: torch.load's
                              default weights_only=True loads it
     plots/*.png              average accuracy, first-task accuracy, accuracy matrix, STD histograms, schedule
+    tensorboard/             with `tensorboard: true` (--tensorboard): TensorBoard event files written during the run
+                             (the training loss, the accuracies, the posterior STDs: `foovb_suite.tensorboard_log`)
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from .rundir import (
     write_atomically,
 )
 from .scenarios import data_digest
+from .tensorboard_log import TensorBoardLog, require_tensorboard
 
 __all__ = ["build_scenario", "run", "RunResult", "RunInterrupted", "TrainingDiverged", "load_learner", "load_model",
            "load_run", "resolve_device", "tasks_seen"]
@@ -473,8 +476,9 @@ class _TrainingLoop:
 
     def __init__(self, config: Config, scenario, learner: Learner, device: torch.device, checkpoint_path: Path,
                  main_process: bool, state: dict[str, Any] | None, confirm_lock: Callable[[], None],
-                 run: dict[str, Any]):
+                 run: dict[str, Any], board: TensorBoardLog | None = None):
         self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
+        self.board = board  # the TensorBoard log (`tensorboard: true`, main process), or None
         self.run = run  # what every checkpoint records it belongs to: the run's identity, computed config, data
         self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
@@ -520,13 +524,17 @@ class _TrainingLoop:
             loss = self._observe(iteration, batch)
             running_loss = loss if running_loss is None else 0.98 * running_loss + 0.02 * loss
             done = iteration + 1
+            if self.board is not None:
+                self.board.loss(done, loss)
+            evaluated = done in self.eval_points
+            if evaluated:
+                last_average = _average_so_far(self._evaluate(done))
             if bar is not None:
                 bar.update(1)
-                if done % 50 == 0:  # refresh=False: the bar redraws at its own interval (once a minute in a log)
+                if done % 50 == 0 or evaluated:  # refresh=False: the bar redraws at its own interval (a log: 60 s)
                     bar.set_postfix(task=int(batch.task.float().mean().round()), loss=f"{running_loss:.3f}",
                                     avg_acc="-" if np.isnan(last_average) else f"{last_average:.4f}", refresh=False)
-            if done in self.eval_points:
-                last_average = _average_so_far(self._evaluate(done))
+            if evaluated:
                 self.save(done)
                 if self.main_process:
                     write_metrics(self.checkpoint_path.parent, self.records)
@@ -595,6 +603,9 @@ class _TrainingLoop:
         self.records.append(record)
         if self.config.evaluation.histograms and hasattr(self.learner, "posterior_std"):
             self.stds[f"iteration_{done}"] = self.learner.posterior_std()
+        if self.board is not None:
+            self.board.evaluation(record, self.learner.posterior_stds() if hasattr(self.learner, "posterior_stds")
+                                  else None)
         self.tic = time.perf_counter()
         return record
 
@@ -627,6 +638,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     if distributed_run and device.type == "cuda":  # NCCL: every process on its own GPU (LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
     main_process = not distributed_run or torch.distributed.get_rank() == 0
+    if config.tensorboard and main_process:  # before anything is written
+        require_tensorboard()
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
@@ -685,8 +698,12 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         if not (run_dir / RUN_FILE).is_file():  # a new run, or one begun before runs had an identity
             _write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
         _write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    board = None
+    if config.tensorboard and main_process:  # a resumed run's points follow its checkpoint's iteration
+        board = TensorBoardLog(run_dir / "tensorboard", config.tensorboard_every, 0 if state is None
+                               else state["iteration"])
     loop = _TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock,
-                         {"id": run_id, "config": what_it_computes(resolved), "data": data})
+                         {"id": run_id, "config": what_it_computes(resolved), "data": data}, board)
     bar = None
     if progress and main_process:
         from tqdm import tqdm
@@ -700,6 +717,8 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         finally:
             if bar is not None:
                 bar.close()
+            if board is not None:  # the end of the run, an interruption, a divergence
+                board.close()
         if stopped_at is not None:
             return {"interrupted_at": stopped_at}
         summary = _final_summary(config, scenario, learner, device, distributed_run, loop)
