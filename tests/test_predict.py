@@ -1,15 +1,26 @@
-"""foovb.predict (posterior-mean and sampled-network probabilities) and FOOVB.sampled_params."""
+"""foovb.predict (posterior-mean and sampled-network probabilities, their uncertainty) and FOOVB.sampled_params."""
 
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, PAPER, all_equal, cnn, cnn_batch, mlp, mlp_batch, params_snapshot, posterior_snapshot
+from conftest import (
+    FAMILIES,
+    PAPER,
+    all_equal,
+    cnn,
+    cnn_batch,
+    make_generator,
+    mlp,
+    mlp_batch,
+    params_snapshot,
+    posterior_snapshot,
+)
 from torch import nn
 from torch.func import functional_call
 
 import foovb.predict as predict_module
 from foovb import FOOVB
-from foovb.predict import predict, sample_probabilities
+from foovb.predict import predict, sample_probabilities, uncertainty, uncertainty_from_samples
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -354,3 +365,132 @@ def test_predictions_under_autocast_have_one_dtype(family):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         pred = predict(opt, x, K)
     assert pred.samples.dtype == pred.mean.dtype
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Uncertainty: predictive entropy H(p̄), expected entropy (1/K) Σ_k H(p_k), mutual information their difference
+# ---------------------------------------------------------------------------------------------------------
+LOG2 = float(np.log(2))
+
+
+def _binary_entropy(q: float) -> float:
+    return float(-q * np.log(q) - (1 - q) * np.log(1 - q))
+
+
+def _dirichlet_samples(num_samples: int, rows: int, classes: int, concentration: float, seed: int) -> torch.Tensor:
+    """(K, r, C) random class probabilities: sharp (one-hot-like) for a small concentration, flat for a large one."""
+    torch.manual_seed(seed)
+    return torch.distributions.Dirichlet(torch.full((classes,), concentration)).sample((num_samples, rows)).double()
+
+
+def test_uncertainty_closed_forms_on_hand_built_probabilities():
+    """Identical samples: no epistemic part, whatever their entropy. Disagreeing one-hot samples: all of it."""
+    quarter = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    agreeing = uncertainty_from_samples(quarter.expand(4, -1, -1))
+    torch.testing.assert_close(agreeing.predictive_entropy, torch.tensor([1.5 * LOG2, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(agreeing.expected_entropy, agreeing.predictive_entropy)
+    assert torch.equal(agreeing.mutual_information, torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(agreeing.probabilities, quarter)
+
+    one_hot = torch.tensor([[[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]])  # K = 2 networks, one input, 3 classes
+    disagreeing = uncertainty_from_samples(one_hot)
+    torch.testing.assert_close(disagreeing.predictive_entropy, torch.tensor([LOG2]))
+    assert torch.equal(disagreeing.expected_entropy, torch.zeros(1))
+    torch.testing.assert_close(disagreeing.mutual_information, torch.tensor([LOG2]))
+    torch.testing.assert_close(disagreeing.probabilities, torch.tensor([[0.5, 0.5, 0.0]]))
+
+    # confident networks that disagree, 0.9/0.1 against 0.1/0.9: I = log 2 − H(0.9)
+    confident = uncertainty_from_samples(torch.tensor([[[0.9, 0.1]], [[0.1, 0.9]]], dtype=torch.float64))
+    torch.testing.assert_close(confident.predictive_entropy, torch.tensor([LOG2], dtype=torch.float64))
+    torch.testing.assert_close(confident.expected_entropy, torch.tensor([_binary_entropy(0.9)], dtype=torch.float64))
+    torch.testing.assert_close(confident.mutual_information,
+                               torch.tensor([LOG2 - _binary_entropy(0.9)], dtype=torch.float64))
+
+    # C networks each sure of another class: H(p̄) = I = log C; uniform networks: H(p̄) = log C, I = 0
+    classes = 5
+    spread = uncertainty_from_samples(torch.eye(classes)[:, None, :])
+    torch.testing.assert_close(spread.mutual_information, torch.tensor([np.log(classes)], dtype=torch.float32))
+    flat = uncertainty_from_samples(torch.full((3, 1, classes), 1 / classes))
+    torch.testing.assert_close(flat.predictive_entropy, torch.tensor([np.log(classes)], dtype=torch.float32))
+    assert torch.equal(flat.mutual_information, torch.zeros(1))
+
+
+@pytest.mark.parametrize(("num_samples", "classes", "concentration"),
+                         [(2, 2, 0.3), (10, 10, 0.1), (10, 10, 1.0), (7, 3, 50.0), (1, 4, 1.0)])
+def test_uncertainty_bounds_and_sample_order(num_samples, classes, concentration):
+    """0 <= I = H(p̄) − E_k H(p_k) <= min(log C, log K), H(p̄) <= log C, from the raw entropies (not the clipped
+    I), on random probabilities; the decomposition does not depend on the order of the samples."""
+    samples = _dirichlet_samples(num_samples, 500, classes, concentration, seed=classes)
+    result = uncertainty_from_samples(samples)
+    assert result.predictive_entropy.shape == result.mutual_information.shape == (500,)
+    tolerance = 1e-12
+    assert bool((result.predictive_entropy - result.expected_entropy >= -tolerance).all())  # Jensen
+    assert bool((result.predictive_entropy <= np.log(classes) + tolerance).all())
+    assert bool((result.expected_entropy >= 0).all())
+    bound = min(np.log(classes), np.log(num_samples))
+    assert bool((result.mutual_information >= 0).all()) and bool((result.mutual_information <= bound + tolerance).all())
+    torch.testing.assert_close(result.mutual_information,
+                               (result.predictive_entropy - result.expected_entropy).clamp_min(0), rtol=0, atol=0)
+    def entropy(probabilities):  # 0 log 0 = 0 (a sharp Dirichlet draw can underflow to 0)
+        return -(probabilities * probabilities.log()).nan_to_num().sum(-1)
+
+    torch.testing.assert_close(result.predictive_entropy, entropy(samples.mean(0)))
+    torch.testing.assert_close(result.expected_entropy, entropy(samples).mean(0))
+    if num_samples == 1:
+        assert torch.equal(result.mutual_information, torch.zeros(500, dtype=torch.float64))
+    shuffled = uncertainty_from_samples(samples[torch.randperm(num_samples, generator=make_generator(0))])
+    for field in ("probabilities", "predictive_entropy", "expected_entropy", "mutual_information"):
+        torch.testing.assert_close(getattr(shuffled, field), getattr(result, field), rtol=0, atol=1e-12)
+
+
+def test_uncertainty_keeps_leading_shape_and_dtype_and_refuses_non_probabilities():
+    samples = _dirichlet_samples(3, 8, 4, 1.0, seed=0).float().reshape(3, 2, 4, 4)  # (K, rows, tokens, classes)
+    result = uncertainty_from_samples(samples)
+    assert result.predictive_entropy.shape == result.expected_entropy.shape == (2, 4)
+    assert result.probabilities.shape == (2, 4, 4) and result.mutual_information.dtype == torch.float32
+    torch.testing.assert_close(result.mutual_information.flatten(),
+                               uncertainty_from_samples(samples.flatten(1, 2)).mutual_information)
+    logits = torch.randn(3, 5, 4)
+    for not_probabilities in (logits, logits.log_softmax(-1), torch.full((3, 5, 4), float("nan"))):
+        with pytest.raises(ValueError, match="must be class probabilities"):
+            uncertainty_from_samples(not_probabilities)
+    for bad_shape in (torch.ones(4), torch.ones(0, 5, 4), torch.ones(3, 5, 0)):
+        with pytest.raises(ValueError, match=r"shape \(K, \.\.\., C\)"):
+            uncertainty_from_samples(bad_shape)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uncertainty_of_the_posterior_is_that_of_predicts_samples(family):
+    """uncertainty(opt, x, K) decomposes the probabilities of predict's K sampled networks; it is computed per
+    input (a row alone gives the same numbers) and leaves the posterior, the weights and the modes as they were."""
+    model, opt = trained(family)
+    x, _ = mlp_batch(seed=5, rows=7)
+    posterior, params = posterior_snapshot(opt), params_snapshot(model)
+    model.train()
+    result = uncertainty(opt, x, K, seed=3)
+    samples = predict(opt, x, K, seed=3).samples
+    expected = uncertainty_from_samples(samples)
+    for field in ("probabilities", "predictive_entropy", "expected_entropy", "mutual_information"):
+        assert torch.equal(getattr(result, field), getattr(expected, field))
+    torch.testing.assert_close(result.probabilities, samples.mean(0))
+    assert bool((result.mutual_information > 1e-4).all())  # the sampled networks disagree: std > 0
+    assert all_equal(posterior_snapshot(opt), posterior) and all_equal(params_snapshot(model), params)
+    assert model.training and all(m.training for m in model.modules())
+    row = uncertainty(opt, x[2:3], K, seed=3)
+    torch.testing.assert_close(row.mutual_information, result.mutual_information[2:3], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(uncertainty(opt, x, K, seed=3, chunk_size=4).mutual_information,
+                               result.mutual_information, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(uncertainty(opt, x, K, seed=4).mutual_information, result.mutual_information)
+
+
+def test_uncertainty_arguments_are_checked_and_autocast_probabilities_are_accepted():
+    model, opt = trained("diagonal")
+    x, _ = mlp_batch(seed=5)
+    with pytest.raises(TypeError, match="takes the FOOVB optimizer"):
+        uncertainty(model, x, 2)
+    with pytest.raises(ValueError, match="num_samples"):
+        uncertainty(opt, x, 0)
+    exact = uncertainty(opt, x, K)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bfloat16 probabilities sum to 1 only to ~3e-3
+        low = uncertainty(opt, x, K)
+    torch.testing.assert_close(low.predictive_entropy.float(), exact.predictive_entropy, rtol=0, atol=0.05)

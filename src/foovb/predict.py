@@ -6,6 +6,11 @@ Three ways to predict, all reported by the evaluation (`metrics.accuracy` modes)
 * "bma": the Bayesian model average, the mean of the softmax outputs of K sampled networks;
 * "single": the mean accuracy of the K sampled networks taken one at a time (appendix "Implementation
   details": the matrix-variate experiments average the accuracy of 2500 sampled networks).
+
+`uncertainty` splits the Bayesian model average's entropy into its aleatoric and epistemic parts (the mutual
+information of BALD: Houlsby et al. 2011, "Bayesian active learning for classification and preference learning";
+Depeweg et al. 2018, "Decomposition of uncertainty in Bayesian deep learning for efficient and risk-sensitive
+learning").
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from .optimizer import FOOVB
 from .sampled import SampledNetwork, check_batched_support
 from .validation import inspection_seed, is_integer
 
-__all__ = ["Predictions", "predict", "sample_probabilities"]
+__all__ = ["Predictions", "Uncertainty", "predict", "sample_probabilities", "uncertainty",
+           "uncertainty_from_samples"]
 
 OutputFn = Callable[[Tensor], Tensor]
 
@@ -160,3 +166,75 @@ def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int
     samples = (sample_probabilities(optimizer, inputs, num_samples, seed=seed, chunk_size=chunk_size,
                                     output_fn=output_fn).to(mean.dtype) if num_samples > 0 else None)
     return Predictions(mean=mean, samples=samples)  # one dtype (under autocast the routes' outputs differ)
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """Per-input uncertainty of a classifier's K sampled networks, with class probabilities p_k = p(y | x, θ_k).
+
+    With the Bayesian model average p̄ = (1/K) Σ_k p_k and the entropy H(p) = −Σ_c p_c log p_c (in nats,
+    0 log 0 = 0):
+
+    Attributes:
+        probabilities: ``(r, C)`` the Bayesian model average p̄ (any leading shape, classes last).
+        predictive_entropy: ``(r,)`` the total uncertainty H(p̄), at most log C.
+        expected_entropy: ``(r,)`` the aleatoric part (1/K) Σ_k H(p_k): the noise each network sees in the input.
+        mutual_information: ``(r,)`` the epistemic part (BALD), the mutual information between the label and the
+            weights, I = H(p̄) − (1/K) Σ_k H(p_k) >= 0 (Jensen; the rounding below 0 is clipped): how much the
+            sampled networks disagree. 0 when they agree, whatever their entropy; at most min(log C, log K).
+    """
+
+    probabilities: Tensor
+    predictive_entropy: Tensor
+    expected_entropy: Tensor
+    mutual_information: Tensor
+
+
+def _entropy(probabilities: Tensor) -> Tensor:
+    """H(p) = −Σ_c p_c log p_c over the last dimension, with 0 log 0 = 0."""
+    return -torch.special.xlogy(probabilities, probabilities).sum(-1)
+
+
+_PROBABILITY_TOLERANCE = 1e-2  # of Σ_c p_c = 1: bfloat16 softmax outputs (autocast) were off by up to 3e-3
+
+
+def uncertainty_from_samples(samples: Tensor) -> Uncertainty:
+    """`Uncertainty` of the class probabilities of K networks, ``(K, r, C)`` (any shape: samples first, classes
+    last), e.g. ``predict(opt, x, K).samples``. With K = 1 (one network: a point estimate's softmax) the
+    predictive and the expected entropy are that network's and the mutual information is 0.
+
+    Computed in float64 (the mutual information is a difference of two entropies near log C), returned in the
+    probabilities' dtype. Raises ValueError for tensors that are not probabilities (negative entries, or rows
+    that do not sum to 1: logits, log-probabilities).
+    """
+    if samples.dim() < 2 or samples.shape[0] == 0 or samples.shape[-1] == 0:
+        raise ValueError(f"samples must have shape (K, ..., C) with K >= 1 samples and C >= 1 classes, "
+                         f"got {tuple(samples.shape)}")
+    probabilities = samples.double()
+    if bool((probabilities < 0).any()) or not torch.allclose(
+            probabilities.sum(-1), torch.ones((), dtype=torch.float64), rtol=0, atol=_PROBABILITY_TOLERANCE):
+        raise ValueError("samples must be class probabilities (non-negative, summing to 1 over the "
+                         "last dimension), e.g. softmax outputs; got logits, log-probabilities or NaN?")
+    model_average = probabilities.mean(0)
+    predictive_entropy = _entropy(model_average)
+    expected_entropy = _entropy(probabilities).mean(0)
+    mutual_information = (predictive_entropy - expected_entropy).clamp_min(0)
+    dtype = samples.dtype
+    return Uncertainty(probabilities=model_average.to(dtype), predictive_entropy=predictive_entropy.to(dtype),
+                       expected_entropy=expected_entropy.to(dtype), mutual_information=mutual_information.to(dtype))
+
+
+@torch.no_grad()
+def uncertainty(optimizer: FOOVB, inputs: Tensor, num_samples: int = 10, *, seed: int | None = 0,
+                chunk_size: int | None = None) -> Uncertainty:
+    """Predictive entropy, expected entropy and mutual information of the softmax outputs of `num_samples`
+    networks drawn from the posterior (`uncertainty_from_samples` of `sample_probabilities`: the same draws as
+    ``predict(optimizer, inputs, num_samples, seed=seed).samples``), per input.
+
+    All inputs in one pass per sampled network (or per chunk of `chunk_size` stacked networks), under no_grad
+    and in eval mode; each module's mode is restored and the model holds the posterior mean afterwards. `seed`
+    None: fresh draws.
+    """
+    _check_optimizer(optimizer, "uncertainty")
+    return uncertainty_from_samples(sample_probabilities(optimizer, inputs, num_samples, seed=seed,
+                                                         chunk_size=chunk_size))
