@@ -1164,6 +1164,23 @@ def test_full_family_too_large_layer_reports_memory():
     FOOVB(nn.Linear(30, 20), "full", max_full_params=620, **PAPER)  # exactly at the limit is accepted
 
 
+def test_copying_or_pickling_the_optimizer_is_refused_and_its_state_dict_round_trips():
+    """copy.deepcopy kept only torch's param_groups and state: the copy had no model and failed at its first step
+    with an AttributeError."""
+    import copy
+    import pickle
+
+    model = mlp()
+    opt = FOOVB(model, mc_samples=2, seed=0)
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*opt.state_dict"):
+            attempt(opt)
+    twin = copy.deepcopy(model)
+    restored = FOOVB(twin, mc_samples=2, seed=1)
+    restored.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 def test_step_returns_the_mean_loss_as_a_tensor_as_torch_optimizers_do():
     """torch optimizers return the closure's loss tensor: `loss.item()` must work (it failed on a Python float)."""
     torch.manual_seed(0)

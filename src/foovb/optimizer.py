@@ -420,6 +420,13 @@ class FOOVB(torch.optim.Optimizer):
         state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
         return state
 
+    def __getstate__(self) -> dict:
+        """Copying or pickling a FOOVB (copy.deepcopy, torch.save(opt)) kept torch's param_groups and state only: the
+        copy had no model, posterior blocks or noise generator, and failed at its first step. Refused instead."""
+        raise TypeError("a FOOVB cannot be copied or pickled (copy.deepcopy, pickle, torch.save of the optimizer): "
+                        "it holds the model and its posterior; save opt.state_dict() and the model's state_dict, and "
+                        "load them into a FOOVB built on the copy of the model")
+
     def __setstate__(self, state: dict) -> None:
         """torch's load_state_dict ends here. Through a wrapper that forwards attribute reads to the optimizer
         (Lightning's LightningOptimizer), the optimizer's own param_groups and state are updated in place: set on
