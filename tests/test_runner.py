@@ -471,6 +471,23 @@ def test_resume_after_interruption_gives_the_same_metrics(finished_run, tmp_path
     assert yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["threads"] == 1
 
 
+def test_a_run_takes_one_thread_unless_told_otherwise(tmp_path) -> None:
+    """One thread by default (measured faster on a busy 2-core host, the same numbers on every machine); null gives
+    torch's default."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert config_from_dict(quick()).threads == 1
+        run(config_from_dict(quick()), tmp_path / "one", progress=False, stop_after=1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert config_from_dict(quick(threads="null")).threads is None
+        run(config_from_dict(quick(threads="null")), tmp_path / "all", progress=False, stop_after=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_crashed_run_resumes_from_its_latest_checkpoint(finished_run, tmp_path, monkeypatch) -> None:
     """Crashes (nothing saved on the way out, unlike stop_after) right after an evaluation and after a periodic
     checkpoint: each checkpoint holds its iteration, the records and STDs so far, and the resumed run ends as the

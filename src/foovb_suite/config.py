@@ -195,7 +195,10 @@ class Config:
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     checkpoint_every: int = 2000  # iterations between checkpoints (plus one at every evaluation)
     checkpoint_minutes: float = 5.0  # and at most this long between checkpoints (a SIGKILL loses at most that much)
-    threads: int | None = None  # torch.set_num_threads
+    # torch.set_num_threads; None: torch's default (every core). 1 by default: the demo trained in 17.0 s with 1 thread
+    # against 12.5 s with 2 on an idle 2-core host, but 17.2 s against 41 s beside one busy process (session 38), and
+    # one thread gives the same numbers on every machine
+    threads: int | None = 1
     device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda" or "cuda:N"
     tensorboard: bool = False  # write TensorBoard event files under RUN/tensorboard/ during the run (--tensorboard)
     tensorboard_every: int = 50  # iterations between the training-loss points of the TensorBoard log
