@@ -250,17 +250,22 @@ def _nested(levels: int, inner: str = "") -> str:
 _COMPLETE = "scenario: {kind: split_mnist, num_tasks: 2}\nlearner: {kind: sgd}\n"
 
 
+# (config text, --set overrides, the refusal): a RecursionError in PyYAML's composer; 10**6 values built (10**9 were
+# a MemoryError), then "expected int"; the same through --set
+_YAML_BOMBS = [
+    (_COMPLETE + f"model: {{hidden: {_nested(50_000)}}}\n", [],
+     "{path}: refused: its YAML nests deeper than 100 levels (at line 3)"),
+    (_COMPLETE.replace("num_tasks: 2", f"batch_size: {_laughs(6)}"), [],
+     "{path}: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+    (_COMPLETE, [f"scenario.batch_size={_laughs(6)}"],
+     "--set scenario.batch_size: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+]
+
+
 @pytest.mark.parametrize(
     ("text", "overrides", "message"),
     [
-        # a RecursionError in PyYAML's composer
-        (_COMPLETE + f"model: {{hidden: {_nested(50_000)}}}\n", [],
-         "{path}: refused: its YAML nests deeper than 100 levels (at line 3)"),
-        # 10**6 values built (10**9 were a MemoryError), then "expected int"
-        (_COMPLETE.replace("num_tasks: 2", f"batch_size: {_laughs(6)}"), [],
-         "{path}: refused: its YAML holds more than 100000 values once its aliases are expanded"),
-        (_COMPLETE, [f"scenario.batch_size={_laughs(6)}"],
-         "--set scenario.batch_size: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        *_YAML_BOMBS,
         (_COMPLETE, [f"learner.params.deep={_nested(101)}"],
          "--set learner.params.deep: refused: its YAML nests deeper than 100 levels (at line 1)"),
         # each alias nests an anchor of 50 levels 60 levels deep: the composer sees 61, the expanded value 111
@@ -339,12 +344,7 @@ def test_sizes_at_their_bounds_are_valid() -> None:
 @pytest.mark.parametrize(
     ("text", "overrides", "message"),
     [
-        (_COMPLETE + f"model: {{hidden: {_nested(50_000)}}}\n", [],
-         "{path}: refused: its YAML nests deeper than 100 levels (at line 3)"),
-        (_COMPLETE.replace("num_tasks: 2", f"batch_size: {_laughs(6)}"), [],
-         "{path}: refused: its YAML holds more than 100000 values once its aliases are expanded"),
-        (_COMPLETE, [f"scenario.batch_size={_laughs(6)}"],
-         "--set scenario.batch_size: refused: its YAML holds more than 100000 values once its aliases are expanded"),
+        *_YAML_BOMBS,
         (_COMPLETE.replace("split_mnist", "discrete_permuted_mnist"), ["scenario.num_tasks=100000000"],
          "scenario.num_tasks: at most 1000 tasks, got 100000000"),
     ],
