@@ -1025,8 +1025,9 @@ def too_wide(input_shape, num_classes, **kwargs):
      "'module:function' imports the module from the working directory {dir}, then sys.path (the installed "
      "packages): put nowhere.py there"),
     ("scenario.factory=two_tasks:make_taks", "scenario.factory 'two_tasks:make_taks': module 'two_tasks' "
-     "({dir}/two_tasks.py) has no attribute 'make_taks'; 'module:function' imports the module from the working "
-     "directory {dir}, then sys.path (the installed packages): put two_tasks.py there"),
+     "({dir}/two_tasks.py) has no attribute 'make_taks' (did you mean 'make_tasks'?); if that is not your module: "
+     "'module:function' imports the module from the working directory {dir}, then sys.path (the installed "
+     "packages): put two_tasks.py there"),
     ("scenario.factory=needs_more:make_tasks", "scenario.factory 'needs_more:make_tasks': importing needs_more "
      "raised ModuleNotFoundError: No module named 'no_such_dependency' (at {dir}/needs_more.py:1)"),
     ("scenario.factory=broken:raising",

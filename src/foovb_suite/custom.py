@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import importlib
 import inspect
 import sys
@@ -103,8 +104,11 @@ def _import_factory(section: str, factory: str) -> Callable[..., Any]:
     function: Any = module
     for attribute in attribute_path.split("."):
         if not hasattr(function, attribute):
+            close = difflib.get_close_matches(attribute, [n for n in dir(function) if not n.startswith("_")], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{name}: module {module_name!r} ({getattr(module, '__file__', 'built in')}) has no "
-                              f"attribute {attribute_path!r}; {_how_modules_are_found(module_name)}")
+                              f"attribute {attribute_path!r}{hint}; if that is not your module: "
+                              f"{_how_modules_are_found(module_name)}")
         function = getattr(function, attribute)
     if not callable(function):
         raise ConfigError(f"{name}: {attribute_path} is a {type(function).__name__}, not a function")
