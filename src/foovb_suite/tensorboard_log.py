@@ -3,7 +3,8 @@ under `RUN/tensorboard/`, written during the run.
 
 Tags (the step of every point is the iteration count):
     train/loss                         mean training loss of the iterations since the previous point, every
-                                       `tensorboard_every` iterations (fewer iterations right after a resume)
+                                       `tensorboard_every` iterations and at the run's end (fewer iterations
+                                       right after a resume)
     accuracy/<mode>/task_<t>           each task's test accuracy at every evaluation, per prediction mode (mean;
                                        bma and single for Bayesian learners): metrics.jsonl's values
     accuracy/<mode>/average_seen       the average over the tasks seen so far
@@ -54,10 +55,12 @@ class TensorBoardLog:
         self.writer = require_tensorboard()(log_dir=str(log_dir), purge_step=start + 1)
         self.every = every
         self.losses: list[float] = []  # the losses since the previous point
+        self.done = start  # iterations made so far
 
     def loss(self, done: int, loss: float) -> None:
         """The loss of the iteration that made `done` iterations; a point (their mean) every `every` iterations."""
         self.losses.append(loss)
+        self.done = done
         if done % self.every == 0:
             self.writer.add_scalar("train/loss", float(np.mean(self.losses)), done)
             self.losses.clear()
@@ -78,5 +81,9 @@ class TensorBoardLog:
         self.writer.flush()
 
     def close(self) -> None:
-        """Write what is pending and close the event file."""
+        """Write what is pending (the mean loss of the iterations since the last point, at the last one: a run's
+        end; a point after an interruption's checkpoint is purged when it resumes) and close the event file."""
+        if self.losses:
+            self.writer.add_scalar("train/loss", float(np.mean(self.losses)), self.done)
+            self.losses.clear()
         self.writer.close()
