@@ -118,7 +118,16 @@ class PosteriorBlock(ABC):
         # mean step"). It bounds each step by the curvature it has just measured.
         self.implicit_mean = implicit_mean
 
-    # -- Algorithm 1, step 1 & 2 -----------------------------------------------------------------------
+    def updated_and_step_factor(self, sqrt_cov: Tensor, t: LowRank, tempering: float) -> tuple[Tensor, Tensor]:
+        """A covariance factor after Lemma 2's update for T, and the factor the mean step uses: the prior's
+        (Algorithm 1), the updated one (implicit_mean), or, where `step_tempering` > 1, the one for tempering x T
+        (from the same decomposition)."""
+        if self.implicit_mean and tempering > 1:
+            return sqrt_covariance_update(sqrt_cov, t, also_scaled=tempering)
+        updated = sqrt_covariance_update(sqrt_cov, t)
+        return updated, updated if self.implicit_mean else sqrt_cov
+
+        # -- Algorithm 1, step 1 & 2 -----------------------------------------------------------------------
     @property
     @abstractmethod
     def noise_shape(self) -> tuple[int, ...]:
@@ -261,24 +270,27 @@ class DiagonalBlock(PosteriorBlock):
         # Eq. "diagonal implicit solution": sigma <- sigma sqrt(1 + (sigma beta E[g eps] / 2)^2) - sigma^2 beta
         # E[g eps] / 2, then mu <- mu - eta sigma^2 E[g] (E1 = sum_k g_k / K) with the prior's sigma (Algorithm 4)
         # or the updated one (implicit_mean)
-        variance = None if self.implicit_mean else std.square()
         tempering = step_tempering(mean_step, cov_step)
-        if self.implicit_mean and tempering > 1:  # the mean step's sigma, for gamma E[g eps] (step_tempering)
-            scaled = std * grad_noise_mean * tempering
-            variance = std * (root_scale(scaled.abs_()) if self.std_growth == "none" else signed_root_scale(scaled))
-            variance.square_()
-        if self.std_growth == "none":  # Lemma 2's root, as the matrix families: sigma <- sigma h(|sigma E[g eps]|)
-            std.mul_(root_scale(torch.mul(std, grad_noise_mean).abs_()))
+        if not self.implicit_mean:
+            variance = std.square()
+        elif tempering > 1:  # the mean step's sigma, for gamma E[g eps] (step_tempering)
+            variance = (std * self.root(std * grad_noise_mean * tempering)).square_()
         else:
-            std.mul_(signed_root_scale(std * grad_noise_mean))
-            if self.std_growth == "capped":  # never wider than the initial prior
-                std.clamp_(max=self.std_init)
+            variance = None  # the updated sigma, below
+        std.mul_(self.root(std * grad_noise_mean))
+        if self.std_growth == "capped":  # never wider than the initial prior
+            std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
-        if self.implicit_mean:
-            if self.curvature_damping:
-                variance.mul_(self.damping(curvature, spread, mean_step))
+        if self.curvature_damping:  # (validated: with implicit_mean only)
+            variance.mul_(self.damping(curvature, spread, mean_step))
         self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
+
+    def root(self, scaled: Tensor) -> Tensor:
+        """sigma_new / sigma for `scaled` = sigma beta E[g eps]: Lemma 2's root h(|x|) (std_growth "none", as the
+        matrix families; sigma never grows), else the closed form of Eq. "diagonal implicit solution", which grows
+        sigma where E[g eps] < 0."""
+        return root_scale(scaled.abs_()) if self.std_growth == "none" else signed_root_scale(scaled)
 
     def mean_values(self) -> list[Tensor]:
         return [self.state["mean"]]
@@ -415,14 +427,8 @@ class KroneckerBlock(PosteriorBlock):
         # A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2); Eq. "Kronecker-factored necessary conditions":
         # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
         tempering = step_tempering(mean_step, cov_step)
-        if self.implicit_mean and tempering > 1:  # the mean step's factors, for gamma E2 and E3 (step_tempering)
-            self.state["input_sqrt_cov"], a = sqrt_covariance_update(a, e2, also_scaled=tempering)
-            self.state["output_sqrt_cov"], b = sqrt_covariance_update(b, e3, also_scaled=tempering)
-        else:
-            new_a = self.state["input_sqrt_cov"] = sqrt_covariance_update(a, e2)
-            new_b = self.state["output_sqrt_cov"] = sqrt_covariance_update(b, e3)
-            if self.implicit_mean:
-                a, b = new_a, new_b
+        self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
+        self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
         mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
     def mean_values(self) -> list[Tensor]:
@@ -483,13 +489,7 @@ class FullBlock(PosteriorBlock):
         # A <- X with X X^T + A A^T E2 X^T - A A^T = 0 (Lemmas 1-2); Eq. "Gaussian first order necessary
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
         grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
-        tempering = step_tempering(mean_step, cov_step)
-        if self.implicit_mean and tempering > 1:  # the mean step's factor, for gamma E2 (step_tempering)
-            self.state["sqrt_cov"], a = sqrt_covariance_update(a, grad_noise, also_scaled=tempering)
-        else:
-            new_a = self.state["sqrt_cov"] = sqrt_covariance_update(a, grad_noise)
-            if self.implicit_mean:
-                a = new_a
+        self.state["sqrt_cov"], a = self.updated_and_step_factor(a, grad_noise, step_tempering(mean_step, cov_step))
         self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
 
     def mean_values(self) -> list[Tensor]:
