@@ -6,7 +6,8 @@
 #
 #   OUT=/path/to/results DATA=gpu_data DEADLINE=470 bash scripts/device_check.sh [RUN ...]
 #
-# RUN: config[:seed] of configs/, e.g. mnist_fashion_foovb_diagonal:0 (default: the paper-scale MNIST ->
+# RUN: config[:seed[:agnostic]] of configs/, e.g. mnist_fashion_foovb_diagonal:0 or
+# mnist_fashion_sgd:0:agnostic (scenario.task_agnostic=true) (default: the paper-scale MNIST ->
 # Fashion-MNIST FOO-VB runs, seed 0); a run found in runs/device/ is resumed (untar the returned files there and
 # carry runs/device with the next call). DEVICE (default cuda): the runs'
 # device. TABLES=0 skips the GPU test and the timing tables (all the time to the runs). Needs torch with CUDA, numpy, matplotlib, pyyaml, tqdm and pytest (the device image has them).
@@ -31,18 +32,28 @@ left=$((END - $(date +%s))); [ $left -lt 60 ] && left=60
 echo "== runs start at $(elapsed) s, ${left} s each" >> "$T"
 runs=("$@"); [ ${#runs[@]} = 0 ] && runs=(mnist_fashion_foovb_diagonal:0 mnist_fashion_foovb_kronecker:0)
 mkdir -p runs/device
+# parse SPEC: sets config, seed, name (the run directory's name) and extra (the run's --set for the variant)
+parse() {
+  IFS=: read -r config seed variant <<< "$1"; seed=${seed:-0}; name=${config}_s$seed; extra=()
+  case "$variant" in
+    "") ;;
+    agnostic) name=${name}_agnostic; extra=(--set scenario.task_agnostic=true) ;;
+    *) echo "device_check.sh: unknown variant '$variant' in $1 (known: agnostic)" >&2; exit 2 ;;
+  esac
+}
+for spec in "${runs[@]}"; do parse "$spec"; done  # every spec checked before any run starts
 for spec in "${runs[@]}"; do
-  config=${spec%%:*}; seed=${spec#*:}; [ "$seed" = "$spec" ] && seed=0; out=runs/device/${config}_s$seed
+  parse "$spec"; out=runs/device/$name
   if [ -f $out/checkpoint.pt ]; then r=--resume; else r=; fi
   data=(); grep -q "kind: vision_mix" configs/$config.yaml && data=(--set scenario.data_dir="${DATA:-data}")
   timeout -s TERM -k 60 $left python3 -m foovb_suite run configs/$config.yaml --set device=${DEVICE:-cuda} --set threads=2 \
-    "${data[@]}" --set seed=$seed --set scenario.seed=$seed --out $out $r > $out.log 2>&1 &
+    "${data[@]}" "${extra[@]}" --set seed=$seed --set scenario.seed=$seed --out $out $r > $out.log 2>&1 &
 done
 wait
 echo "== runs ended at $(elapsed) s" >> "$T"
 for spec in "${runs[@]}"; do
-  config=${spec%%:*}; seed=${spec#*:}; [ "$seed" = "$spec" ] && seed=0; out=runs/device/${config}_s$seed
+  parse "$spec"; out=runs/device/$name
   { echo "== $out"; tail -c 400 $out.log | tr '\r' '\n' | tail -n 4; } >> "$T"
-  tar czf "$OUT/${config}_s$seed.tgz" -C runs/device ${config}_s$seed ${config}_s$seed.log
+  tar czf "$OUT/$name.tgz" -C runs/device $name $name.log
 done
 cat "$T"
