@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import foovb.optimizer
 from foovb import FOOVB
 from foovb.engine import Step
 
@@ -60,7 +61,7 @@ def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=
             original = block.load_sample
             block.load_sample = lambda noise, original=original, name=name: (loads.update([name]), original(noise))
     recorded, factored = {}, set()
-    apply_update, accumulate = opt._apply_update, Step._accumulate_captured
+    apply_update, accumulate = foovb.optimizer.apply_update, Step._accumulate_captured
 
     def record(stats, *rest):
         recorded.update({opt.blocks.index(b): s for b, s in stats.items()})
@@ -74,8 +75,8 @@ def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=
             factored.add(opt.blocks.index(block))
         return used
 
-    opt._apply_update = record
-    with mock.patch.object(Step, "_accumulate_captured", staticmethod(captured)):  # the engine's low-rank route
+    with (mock.patch.object(Step, "_accumulate_captured", staticmethod(captured)),  # the engine's low-rank route
+          mock.patch.object(foovb.optimizer, "apply_update", record)):
         opt.step(closure_of(model, *batch(dtype)))
     names = {i: n for i, b in enumerate(opt.blocks) for n, m in model.named_modules() if m is b.module}
     state = {names[i]: {key: v.clone() for key, v in b.state.items()} for i, b in enumerate(opt.blocks)}

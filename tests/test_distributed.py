@@ -10,9 +10,11 @@ import math
 import os
 import socket
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ from conftest import PAPER, all_equal, make_generator, params_snapshot, posterio
 from torch import nn
 
 import foovb.distributed as fd
+import foovb.engine
+import foovb.optimizer
 from foovb import FOOVB
 from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
 from foovb_suite.cli import main
@@ -55,35 +59,9 @@ def batch(step: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, inputs, generator=g), torch.randint(3, (ROWS,), generator=g)
 
 
-# -- the training both the workers and the parent run --------------------------------------------------------
-def train(family: str, path: str, inputs: int, mode: str | None,
-          record_noise: bool = False, reduction: str = "sum", rows: int = 7) -> dict[str, Any]:
-    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
-    reduction "mean" (or one of BY_HAND): the batch's mean (sum) loss over `rows` rows (data mode, 7: shards of 4
-    and 3 rows), else the sum over all ROWS."""
-    model = mlp(inputs)
-    options = PAPER if reduction == "sum" else {"preset": "paper"}
-    optimizer = FOOVB(model, family, K, seed=7, **options)
-    if mode is not None:
-        distribute(optimizer, mode)
-    noises: dict[tuple[int, int], list[torch.Tensor]] = {}
-    if record_noise:
-        draw = optimizer.draw_noise
-
-        def recording_draw(seed: int, samples: range, **kwargs: Any) -> dict:
-            out = draw(seed, samples, **kwargs)
-            for row, k in enumerate(samples):
-                noises[(optimizer.steps_taken, k)] = [out[block][row].clone() for block in optimizer.blocks]
-            return out
-
-        optimizer.draw_noise = recording_draw
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if reduction == "mean-by-hand":
-            return F.cross_entropy(out, target, reduction="sum") / len(target)
-        if reduction == "sum-by-hand":
-            return F.cross_entropy(out, target) * len(target)
-        return F.cross_entropy(out, target, reduction=reduction)
-
+def run_steps(optimizer: FOOVB, model: nn.Module, path: str, inputs: int, mode: str | None, reduction: str,
+              rows: int, loss_fn: Any) -> list:
+    """The STEPS steps of `train` on its batches; their losses."""
     losses = []
     for step in range(STEPS):
         x, y = batch(step, inputs)
@@ -100,6 +78,39 @@ def train(family: str, path: str, inputs: int, mode: str | None,
                 return loss
 
             losses.append(optimizer.step(closure))
+    return losses
+
+
+# -- the training both the workers and the parent run --------------------------------------------------------
+def train(family: str, path: str, inputs: int, mode: str | None,
+          record_noise: bool = False, reduction: str = "sum", rows: int = 7) -> dict[str, Any]:
+    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
+    reduction "mean" (or one of BY_HAND): the batch's mean (sum) loss over `rows` rows (data mode, 7: shards of 4
+    and 3 rows), else the sum over all ROWS."""
+    model = mlp(inputs)
+    options = PAPER if reduction == "sum" else {"preset": "paper"}
+    optimizer = FOOVB(model, family, K, seed=7, **options)
+    if mode is not None:
+        distribute(optimizer, mode)
+    noises: dict[tuple[int, int], list[torch.Tensor]] = {}
+    draw = foovb.engine.draw_noise
+
+    def recording_draw(blocks: list, seed: int, samples: range, **kwargs: Any) -> dict:
+        out = draw(blocks, seed, samples, **kwargs)
+        for row, k in enumerate(samples):
+            noises[(optimizer.steps_taken, k)] = [out[block][row].clone() for block in optimizer.blocks]
+        return out
+
+    recording = mock.patch.object(foovb.engine, "draw_noise", recording_draw) if record_noise else nullcontext()
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if reduction == "mean-by-hand":
+            return F.cross_entropy(out, target, reduction="sum") / len(target)
+        if reduction == "sum-by-hand":
+            return F.cross_entropy(out, target) * len(target)
+        return F.cross_entropy(out, target, reduction=reduction)
+
+    with recording:
+        losses = run_steps(optimizer, model, path, inputs, mode, reduction, rows, loss_fn)
     views = [optimizer.posterior(p) for p in model.parameters()]
     return {"means": [v.mean.clone() for v in views], "stds": [v.std.clone() for v in views],
             "state": posterior_snapshot(optimizer), "losses": losses, "noises": noises,
@@ -329,15 +340,15 @@ def single_process_losses() -> list[float]:
     model = mlp()
     optimizer = FOOVB(model, "diagonal", K, seed=7, **PAPER)
     seen = []
-    apply = optimizer._apply_update
+    apply = foovb.optimizer.apply_update
 
     def recording(stats, losses, *rest):
         seen.append(list(losses))
         return apply(stats, losses, *rest)
 
-    optimizer._apply_update = recording
     x, y = batch(0, 4)
-    optimizer.step(summed_loss_closure(model, x, y))
+    with mock.patch.object(foovb.optimizer, "apply_update", recording):
+        optimizer.step(summed_loss_closure(model, x, y))
     return seen[0]
 
 

@@ -1810,3 +1810,39 @@ def test_a_zero_dim_parameter_is_trained_by_every_family(family):
     assert view.mean.shape == view.std.shape == () and bool(torch.isfinite(view.std)) and view.std > 0
     assert not torch.equal(view.mean, before) and torch.equal(view.mean, model.log_temperature.detach())
     assert predict(opt, x, 3).samples.shape == (3, 16, 3)
+
+
+def test_the_loss_spys_module_hooks_live_only_as_long_as_an_optimizer():
+    """The global module hooks that read the batch's rows are registered once for all live optimizers (not per step:
+    torch.compile guards on them) and removed with the last one; the mean-loss scale is still read."""
+    import gc
+
+    from torch.nn.modules import module as torch_module
+
+    from foovb import reduction
+
+    def our_hooks():
+        return (sum(h is reduction._enter_module for h in torch_module._global_forward_pre_hooks.values())
+                + sum(h is reduction._leave_module for h in torch_module._global_forward_hooks.values()))
+
+    gc.collect()
+    held = reduction._HOOK_HOLDERS[0]  # optimizers of other tests that are still alive
+    model = nn.Linear(3, 2)
+    first, second = FOOVB(model, "diagonal", 2, seed=0), FOOVB(nn.Linear(3, 2), "diagonal", 2, seed=0)
+    assert reduction._HOOK_HOLDERS[0] == held + 2 and our_hooks() == 2
+    x, y = torch.randn(8, 3), torch.randint(2, (8,))
+
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    first.step(closure)
+    first.step(closure)
+    assert our_hooks() == 2 and first._pending is None
+    del first
+    gc.collect()
+    assert reduction._HOOK_HOLDERS[0] == held + 1 and our_hooks() == 2  # the second optimizer still holds them
+    del second
+    gc.collect()
+    assert reduction._HOOK_HOLDERS[0] == held and our_hooks() == (2 if held else 0)

@@ -12,7 +12,7 @@ all-reduce, in two ways:
   the sum of the shards' statistics (this needs ``loss_reduction`` "auto" or "sum").
 
 In both modes `distribute` gives the optimizer an `AllReduce` as its `statistics_reducer`; its `reduce`
-(called by `FOOVB._apply_update`) checks in a tiny all-reduce that the processes are in step (and, in data mode,
+(called by `engine.apply_update`) checks in a tiny all-reduce that the processes are in step (and, in data mode,
 on different shards; in MC mode, on the same batch: `check_in_step`), then (`all_reduce_statistics`) sums the
 statistics and the per-sample losses with one all-reduce per dtype (one in practice; low-rank statistics add a
 tiny one that chooses how they travel), so every process applies the identical update, raises identically on

@@ -10,7 +10,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +22,10 @@ from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
 from .reduction import LossSpy, loss_reduction_of, loss_scale, reads_a_mean
 from .sampled import SampledNetwork, augmented_input, check_batched_support
 
-if TYPE_CHECKING:
-    from .optimizer import FOOVB
-
 __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
-           "check_batched_step", "check_gradients", "check_same_parameters", "closure_of", "draw_noise",
-           "evaluate_sequential", "mix", "refuse_accumulated_gradients", "scale_statistics", "stacking_is_slower",
+           "check_batched_step", "check_gradients", "check_same_parameters", "closure_of", "deferred_closure_sample",
+           "draw_noise", "loss_value",
+           "mix", "refuse_accumulated_gradients", "refuse_training_closure", "scale_statistics", "stacking_is_slower",
            "trainable_blocks"]
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
@@ -108,6 +106,18 @@ def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
             "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
             "used. Use one batch per step (a larger batch instead of accumulation), and call "
             "optimizer.zero_grad() before the first step if the model still holds gradients")
+
+
+def refuse_training_closure(closure: Callable[[], Tensor], blocks: list[PosteriorBlock]) -> None:
+    """step(closure) after the sampled_params(train=True) blocks of a step: the closure (Lightning's manual
+    optimization passes one that runs its hooks) is called once and must not train."""
+    params = [p for block in blocks for p in block.params]
+    if closure() is not None or any(p.grad is not None for p in params):
+        for p in params:
+            p.grad = None
+        raise RuntimeError("step(closure) after sampled_params(train=True) blocks: the closure trained (it returned a "
+                           "loss or left gradients), and its samples cannot join those of the blocks; call step() "
+                           "without a closure to apply the blocks' update")
 
 
 def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock], training: bool = True) -> None:
@@ -210,10 +220,16 @@ class RunningStatistics:
 
 @dataclass
 class Step:
-    """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses."""
+    """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses. Its methods are
+    Algorithm 1's loop body: `noise` (eps_k), `gradients` (g_k of the network the caller loaded, added to the
+    sums), `evaluate_stacked` (both, for a chunk of samples in one pass)."""
 
     seed: int
     blocks: list[PosteriorBlock]  # those trained by this step (not frozen since construction)
+    all_blocks: list[PosteriorBlock]  # every block of the optimizer (the noise streams are numbered by them)
+    model: nn.Module
+    antithetic: bool
+    loss_reduction: str
     stats: dict
     running: RunningStatistics
     batch_size: int | None
@@ -225,42 +241,47 @@ class Step:
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
 
-    @contextlib.contextmanager
-    def sample(self, opt: FOOVB, reports_loss: bool, restore_mean: bool = True,
-               defer: bool = False) -> Iterator[Sample]:
-        """One Monte Carlo sample of the current step: load it, let the block run forward and backward, then
-        accumulate its statistics (Algorithm 1's loop body). `reports_loss`: the caller sets `sample.loss`;
-        else it is read from the loss that backward() is called on. `restore_mean=False`: leave the sample in
-        the model after a successful block (the caller loads the next sample or updates); a failed one always
-        restores the mean. `defer`: the matrix-variate nn.Linear samples are formed only where needed
-        (`LinearCapture`); an unseen use raises `UnseenUse` and leaves the step's sample to be redone."""
-        params = [p for block in opt.blocks for p in block.params]
-        if self.count == len(opt.sample_shard):
-            raise RuntimeError(f"all {self.count} Monte Carlo samples of this step were evaluated: call step()")
-        k = opt.sample_shard[self.count]
-        if opt.antithetic and k % 2 and self.noise_of == k - 1:  # the pair's second half: -eps, not redrawn
+    @property
+    def linear_kronecker(self) -> list[PosteriorBlock]:
+        """The trained matrix-variate nn.Linear blocks, whose statistics the closure path keeps low-rank."""
+        return [block for block in self.blocks if isinstance(block, KroneckerBlock) and block.params[0].ndim == 2]
+
+    def noise(self, k: int) -> dict[PosteriorBlock, Tensor]:
+        """eps_k of every trained block, (1, *noise_shape); an antithetic pair's second half is -eps of its first
+        (not redrawn)."""
+        if self.antithetic and k % 2 and self.noise_of == k - 1:
             noises = {block: noise.neg() for block, noise in self.noises.items()}
         else:
-            noises = opt.draw_noise(self.seed, range(k, k + 1), antithetic=opt.antithetic, blocks=self.blocks)
+            noises = draw_noise(self.all_blocks, self.seed, range(k, k + 1), antithetic=self.antithetic,
+                                only=self.blocks)
         self.noises, self.noise_of = noises, k
-        sample = Sample(k)
-        linear_kronecker = [block for block in opt._linear_kronecker if block in noises]
-        deferred = {block: noises[block] for block in linear_kronecker} if defer else {}
-        opt.load_sample({block: noise for block, noise in noises.items() if block not in deferred}, 0)
+        return noises
+
+    @contextlib.contextmanager
+    def gradients(self, k: int, noises: dict[PosteriorBlock, Tensor], reports_loss: bool,
+                  deferred: dict[PosteriorBlock, Tensor] | None = None) -> Iterator[Sample]:
+        """g_k: the block runs forward and backward on the sampled network theta_k that the caller loaded, then its
+        gradients are added to the sums for E[g] and E[g eps^T]. `reports_loss`: the block sets `sample.loss`; else
+        it is read from the loss that backward() is called on. `deferred`: matrix-variate nn.Linear samples the
+        caller did not load, formed where the block uses them (`LinearCapture`); a use it cannot see raises
+        `UnseenUse` (the caller redoes the sample with them loaded). Batch-norm statistics start from the step's."""
+        params = [p for block in self.all_blocks for p in block.params]
         for p in params:
             p.grad = None
         self.running.restore()
-        spy = LossSpy(opt.model) if self.grad_scale is None or not reports_loss else contextlib.nullcontext()
-        capture = LinearCapture(linear_kronecker, deferred, self.factored_inputs) if linear_kronecker else None
+        sample = Sample(k)
+        spy = LossSpy(self.model) if self.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        linear_kronecker = self.linear_kronecker
+        capture = LinearCapture(linear_kronecker, deferred or {}, self.factored_inputs) if linear_kronecker else None
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
             if deferred:
                 capture.check_seen(sample.loss, params)
-            check_gradients(opt.blocks)
+            check_gradients(self.all_blocks)
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
-                self.grad_scale = spy.scale(opt.loss_reduction, self.batch_size)
-                self.loss_rows = self.grad_scale if spy.reads_a_mean(opt.loss_reduction, self.batch_size) else 0.0
+                self.grad_scale = spy.scale(self.loss_reduction, self.batch_size)
+                self.loss_rows = self.grad_scale if spy.reads_a_mean(self.loss_reduction, self.batch_size) else 0.0
             self.running.record()
             self.losses.append(sample.loss if reports_loss else spy.loss)
             if capture is not None and capture.compiled:  # shown once per process (Python's default filter)
@@ -268,7 +289,7 @@ class Step:
                     "FOOVB: the closure ran the matrix-variate nn.Linear layers in torch.compile'd code, where their "
                     "output errors cannot be captured: their statistics fall back to the dense gradients and the "
                     "dense fixed-point solve, 3-4x slower steps on the paper's MLP (docs/performance.md). Run the "
-                    "model eagerly (the update is the same)", stacklevel=4)
+                    "model eagerly (the update is the same)", stacklevel=5)
             with full_precision():
                 for block in self.blocks:
                     if capture is not None and self._accumulate_captured(capture, block, self, noises[block]):
@@ -276,22 +297,14 @@ class Step:
                     grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
                     block.accumulate(self.stats[block], noises[block], grads)
             self.count += 1
-        except UnseenUse:  # the sample is redone (the step goes on)
-            self.running.restore()
-            restore_mean = True
-            raise
         except BaseException:
-            opt._pending = None  # a failed sample abandons the step: the posterior is unchanged
             self.running.restore()
-            restore_mean = True
             raise
         finally:
             if capture is not None:
                 capture.close()
             for p in params:
                 p.grad = None
-            if restore_mean:
-                opt.load_mean_into_model()
 
     @staticmethod
     def _accumulate_captured(capture: LinearCapture, block: PosteriorBlock, pending: Step,
@@ -318,44 +331,67 @@ class Step:
         block.accumulate_factored(pending.stats[block], noise, delta[None], x_aug, noise_pre[None], psi)
         return True
 
-    def evaluate_stacked(self, opt: FOOVB, inputs: Tensor, targets: Tensor,
+    def evaluate_stacked(self, shard: range, inputs: Tensor, targets: Tensor,
                          loss_fn: Callable[[Tensor, Tensor], Tensor], chunk: int) -> None:
-        """Evaluate the step's samples `chunk` at a time in one forward/backward each (`SampledNetwork`) and
-        accumulate their statistics; a failure abandons the step."""
+        """Evaluate the samples of `shard` `chunk` at a time in one forward/backward each (`SampledNetwork`) and
+        accumulate their statistics."""
         modules: dict[nn.Module, list[PosteriorBlock]] = {}
         for block in self.blocks:
             modules.setdefault(block.module, []).append(block)
-        rows, shard, shared_inputs = inputs.shape[0], opt.sample_shard, {}
-        try:
-            for start in range(0, len(shard), chunk):
-                samples = shard[start : start + chunk]
-                c = len(samples)
-                noises = opt.draw_noise(self.seed, samples, antithetic=opt.antithetic, blocks=self.blocks)
-                with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
-                    with torch.enable_grad():
-                        outputs = opt.model(inputs)
-                        loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
-                        # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
-                        reduction = loss_reduction_of(loss)
-                        try:
-                            grad_scale = loss_scale(reduction, opt.loss_reduction, None, frozenset({c * rows}))
-                        except ValueError as error:  # its advice is for step(closure): step_batched has no batch_size
-                            raise ValueError(
-                                f"step_batched: loss_fn must return a mean over the {c} x {rows} stacked rows or their "
-                                "sum (e.g. F.cross_entropy's default, or reduction='sum'); for any other loss (a "
-                                "regulariser, a constant) use step(closure), whose error names the fix. "
-                                f"What was read: {error}") from None
-                        loss.backward()
-                    with full_precision():
-                        network.accumulate(self.stats, grad_scale, shared_inputs)
-                value = float(loss.detach())  # a mean over the c stacked batches, or the sum of their losses
-                is_mean = reads_a_mean(reduction, opt.loss_reduction, None, frozenset({c * rows}))
-                self.losses.extend([value if is_mean else value / c] * c)
-                self.loss_rows = grad_scale / c if is_mean else 0.0
-                self.count += c
-        except BaseException:
-            opt._pending = None
-            raise
+        rows, shared_inputs = inputs.shape[0], {}
+        for start in range(0, len(shard), chunk):
+            samples = shard[start : start + chunk]
+            c = len(samples)
+            noises = draw_noise(self.all_blocks, self.seed, samples, antithetic=self.antithetic, only=self.blocks)
+            with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
+                with torch.enable_grad():
+                    outputs = self.model(inputs)
+                    loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
+                    # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
+                    reduction = loss_reduction_of(loss)
+                    try:
+                        grad_scale = loss_scale(reduction, self.loss_reduction, None, frozenset({c * rows}))
+                    except ValueError as error:  # its advice is for step(closure): step_batched has no batch_size
+                        raise ValueError(
+                            f"step_batched: loss_fn must return a mean over the {c} x {rows} stacked rows or their "
+                            "sum (e.g. F.cross_entropy's default, or reduction='sum'); for any other loss (a "
+                            "regulariser, a constant) use step(closure), whose error names the fix. "
+                            f"What was read: {error}") from None
+                    loss.backward()
+                with full_precision():
+                    network.accumulate(self.stats, grad_scale, shared_inputs)
+            value = float(loss.detach())  # a mean over the c stacked batches, or the sum of their losses
+            is_mean = reads_a_mean(reduction, self.loss_reduction, None, frozenset({c * rows}))
+            self.losses.extend([value if is_mean else value / c] * c)
+            self.loss_rows = grad_scale / c if is_mean else 0.0
+            self.count += c
+
+
+def loss_value(loss: object) -> float:
+    """The closure's loss as a float (the closure must return the loss tensor)."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+    return float(loss.detach())
+
+
+def deferred_closure_sample(pending: Step, k: int, noises: dict[PosteriorBlock, Tensor], closure: Callable[[], Tensor],
+                            load: Callable[[dict[PosteriorBlock, Tensor], int], None]) -> bool:
+    """One closure sample on step(closure)'s fast path (`capture.LinearCapture`): the same numbers as loading
+    theta_k whole (`load`), but the matrix-variate nn.Linear samples are formed only where the closure uses them (the
+    first layer's never: a factored forward). A use the capture cannot see (`UnseenUse`) redoes the sample with every
+    weight loaded. Returns whether to go on deferring: not once a redone sample was finite."""
+    deferred = {block: noises[block] for block in pending.linear_kronecker}
+    load({block: noise for block, noise in noises.items() if block not in deferred}, 0)
+    try:
+        with pending.gradients(k, noises, reports_loss=True, deferred=deferred) as sample:
+            sample.loss = loss_value(closure())
+        return True
+    except UnseenUse:
+        pass
+    load(noises, 0)
+    with pending.gradients(k, noises, reports_loss=True) as sample:
+        sample.loss = loss_value(closure())
+    return not math.isfinite(sample.loss)  # a non-finite loss either way (e.g. from the data) is no sign
 
 
 def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
@@ -420,46 +456,23 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_ro
     return sum(losses) / len(losses)
 
 
-def evaluate_sequential(opt: FOOVB, closure: Callable[[], Tensor], batch_size: int | None) -> None:
-    """step(closure): the K samples of a new step one network at a time, each through the closure (a sample
-    whose deferred matrix-variate weights the closure read unseen is redone with them loaded, and deferral
-    is off from then on). The last sample stays in the model: the update loads the new mean."""
-    for _ in opt.sample_shard:  # the next sample overwrites the weights: the mean is loaded by the update
-        for defer in (opt._defer_linear_samples, False):
-            try:
-                with opt._training_sample(batch_size, reports_loss=True, restore_mean=False,
-                                           defer=defer) as sample:
-                    loss = closure()
-                    if not isinstance(loss, Tensor):
-                        raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
-                    sample.loss = float(loss.detach())
-            except UnseenUse:  # the closure may have read a deferred weight unseen: redo the sample with all loaded
-                if not defer:
-                    raise
-                continue
-            if not defer and math.isfinite(sample.loss):  # loaded, it was finite: keep them loaded from now on
-                opt._defer_linear_samples = False  # (a non-finite loss either way, e.g. from the data, is no sign)
-            break
-
-
-def check_batched_step(opt: FOOVB, inputs: Tensor, targets: Tensor,
-                       loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
+def check_batched_step(blocks: list[PosteriorBlock], model: nn.Module, loss_reduction: str, shard: range,
+                       inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
                        chunk_size: int | None) -> tuple[Callable[[Tensor, Tensor], Tensor], int]:
     """step_batched's arguments checked; its loss function (default: cross-entropy reduced as the optimizer's
     loss_reduction asks) and the samples per pass."""
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size!r}")
-    check_batched_support(opt.blocks, opt.model)
+    check_batched_support(blocks, model)
     if loss_fn is None:
-        reduction = "mean" if opt.loss_reduction == "mean" else "sum"
+        reduction = "mean" if loss_reduction == "mean" else "sum"
         loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=reduction)  # noqa: E731
     rows = inputs.shape[0]
     if targets.shape[0] != rows:
         raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")
     if rows == 0:
         raise ValueError("empty batch: step_batched needs at least one row")
-    shard = len(opt.sample_shard)
-    return loss_fn, shard if chunk_size is None else min(chunk_size, shard)
+    return loss_fn, len(shard) if chunk_size is None else min(chunk_size, len(shard))
 
 
 def stacking_is_slower(blocks: list[PosteriorBlock]) -> bool:

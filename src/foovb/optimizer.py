@@ -29,27 +29,29 @@ from .engine import (
     check_batched_step,
     check_same_parameters,
     closure_of,
+    deferred_closure_sample,
     draw_noise,
-    evaluate_sequential,
+    loss_value,
     mix,
     refuse_accumulated_gradients,
+    refuse_training_closure,
     scale_statistics,
     stacking_is_slower,
     trainable_blocks,
 )
+from .persistence import Persistence
 from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, drop_autocast_cache, full_precision
 from .presets import (
     FIXED,
-    LEGACY_FIXED,
     PRESETS,
     check_batch_size,
     check_param_group,
-    check_state_dict,
+    param_group_defaults,
     resolve,
     validate,
 )
-from .priors import XAVIER, prior_blocks
-from .reduction import loss_reduction_of
+from .priors import prior_blocks
+from .reduction import hold_module_hooks, loss_reduction_of
 from .validation import inspection_seed
 
 __all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of", "mix"]
@@ -86,7 +88,7 @@ def _progress(key: str, doc: str) -> property:
                     doc=doc)
 
 
-class FOOVB(torch.optim.Optimizer):
+class FOOVB(Persistence):
     """Fixed-point Operator for Online Variational Bayes (paper, Algorithm 1).
 
     The model's parameters hold the posterior mean mu (after every step); the posterior is
@@ -100,27 +102,13 @@ class FOOVB(torch.optim.Optimizer):
         mu    <- mu - eta A' A'^T E[g]      # Eq. "Gaussian first order necessary conditions" with the updated
                                             # covariance (implicit_mean); the paper's Algorithm 1: A A^T, eta = 1
 
-    Args (each in full in `foovb.presets`' docstring and docs/api.md):
-        model: the network; its parameters are the prior mean (init="keep") and hold the posterior mean after
-            every step (values written into them between steps become the mean).
-        posterior: "auto" (matrix-variate where affordable: every float nn.Linear / nn.Conv2d with at most 1024
-            inputs and outputs; diagonal elsewhere; the kronecker family's settings), "diagonal" (Algorithm 4),
-            "kronecker" (matrix-variate, Algorithm 3, per nn.Linear / nn.Conv2d; other tensors diagonal) or "full"
-            (multivariate, Algorithm 2, per module; small layers only).
-        mc_samples: K, Monte Carlo samples per step (the paper: 10).
-        preset: "recommended" or "paper": where the settings left None come from (`PRESETS`).
-        std_init, alpha, init: the prior (`foovb.priors`): one std or "xavier" per layer; the matrix-variate
-            split; "keep" the model's weights or re-initialise them ("paper", "bgd", "alpha").
-        mean_step, cov_step: eta of the mean update (param_groups[0]["lr"], for schedulers; 0 allowed) and beta,
-            the multiplier of E[g eps^T] in the covariance update.
-        antithetic, std_growth, cov_momentum: antithetic pairs (eps, -eps); how the diagonal sigma may grow
-            ("paper", "capped", "none": Lemma 2's root); an average of E[g eps] over steps.
-        implicit_mean: the mean step with the updated covariance, mu <- mu - eta Sigma_new E[g] (the first-order
-            solution of the implicit mean equation; each step bounded by the curvature it measured), or with the
-            prior's as Algorithm 1 (False).
-        curvature_damping: diagonal family: damp each block's implicit mean step where its samples show strongly
-            coupled curvature (`foovb.presets`).
-        max_full_params: full family: the largest block.
+    Args (in full: `foovb.presets`' docstring and docs/api.md):
+        model: its parameters are the prior mean (init="keep") and hold the posterior mean after every step.
+        posterior: "auto" (matrix-variate for float nn.Linear / nn.Conv2d with at most 1024 inputs and outputs,
+            diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker" (Algorithm 3) or "full" (Algorithm 2).
+        mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
+        std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.
+        antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, max_full_params: `foovb.presets`.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
     """
@@ -156,14 +144,7 @@ class FOOVB(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        # Python numbers in param_groups (numpy scalars would not load with torch.load's weights_only default)
-        std_init = settings["std_init"] if settings["std_init"] == XAVIER else float(settings["std_init"])
-        defaults = dict(posterior=posterior, mc_samples=int(mc_samples), std_init=std_init,
-                        alpha=float(settings["alpha"]), lr=float(settings["mean_step"]),
-                        cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
-                        antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
-                        cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
-                        curvature_damping=bool(settings["curvature_damping"]))
+        defaults = param_group_defaults(posterior, mc_samples, loss_reduction, settings)
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
@@ -171,20 +152,16 @@ class FOOVB(torch.optim.Optimizer):
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
-                                   {**settings, "std_init": std_init, "alpha": float(settings["alpha"]),
+                                   {**settings, "std_init": defaults["std_init"], "alpha": defaults["alpha"],
                                     "max_full_params": int(settings["max_full_params"])})
-        # matrix-variate nn.Linear blocks, whose statistics step(closure) keeps low-rank (LinearCapture), and
-        # whether step(closure) defers forming their sampled weights (off for good after an unseen use)
-        self._linear_kronecker = [b for b in self.blocks if isinstance(b, KroneckerBlock) and b.params[0].ndim == 2]
         self.load_mean_into_model()
+        hold_module_hooks(self)  # the loss spy's, removed with the last optimizer
 
-    statistics_reducer = _progress("statistics_reducer", "How the statistics of a step are combined across "
-                                   "processes: None (one process), or what foovb.distributed.distribute sets (its "
-                                   "`samples` and `reduce`, see `StatisticsReducer`).")
+    statistics_reducer = _progress("statistics_reducer", "How processes combine a step's statistics: None (one "
+                                   "process), or what foovb.distributed.distribute sets (`StatisticsReducer`).")
     steps_taken = _progress("steps_taken", "Updates applied so far.")
     _pending = _progress("pending", "A step begun by sampled_params(train=True) blocks, or None.")
-    _defer_linear_samples = _progress("defer_linear_samples", "Whether step(closure) forms the matrix-variate "
-                                      "nn.Linear samples lazily (off for good after an unseen use).")
+    _defer_linear_samples = _progress("defer_linear_samples", "step(closure)'s fast path (off after an unseen use).")
 
     # Read-only views of the construction-time settings (in param_groups too; changing them is refused)
     mc_samples = _fixed_setting("mc_samples", "K, Monte Carlo samples per step.")
@@ -211,7 +188,6 @@ class FOOVB(torch.optim.Optimizer):
                              "cannot be added (build the optimizer on a model that holds all the parameters)")
         super().add_param_group(param_group)
 
-    # -- the posterior ---------------------------------------------------------------------------------------
     def posterior(self, param: Tensor) -> PosteriorView:
         """Mean, marginal std and dense covariance of one model parameter."""
         self._adopt_model_weights()
@@ -251,63 +227,81 @@ class FOOVB(torch.optim.Optimizer):
 
     # -- training --------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> Tensor:
-        """One FOO-VB step with K sequential Monte Carlo samples (one network in memory at a time).
+        """One FOO-VB step (Algorithm 1) with K sequential Monte Carlo samples, one network in memory at a time.
 
-        `closure` runs forward and backward on the model's current weights and returns the loss; it is called
-        K times, each time with a fresh sample loaded into the model. `batch_size`: the loss is a mean over
-        this many terms (overrides what `loss_reduction` reads from the loss). Returns the mean loss over the
-        samples, as the closure returned it, as a 0-dim float64 tensor without a graph (torch optimizers return the
-        closure's loss tensor: `loss.item()` and `float(loss)` work). Batch-norm running statistics are updated once,
-        with the average of the samples' batch statistics.
-
-        Without a closure, applies the update of the K samples that `sampled_params(train=True)` blocks have
-        evaluated since the last step (your own training loop). After such blocks, a closure is called once and
-        must not train (return None, leave no gradient): Lightning's manual optimization passes one that runs
-        its hooks.
+        `closure` runs forward and backward on the model's current weights and returns the loss; it is called K
+        times, each with a fresh sample loaded. `batch_size`: the loss is a mean over this many terms (overrides what
+        `loss_reduction` reads). Returns the samples' mean loss as a 0-dim float64 tensor. Batch-norm running
+        statistics are updated once, with the average of the samples'. Without a closure: the update of the K
+        `sampled_params(train=True)` blocks run since the last step (a closure then is called once and must not
+        train: Lightning's manual optimization passes one that runs its hooks).
         """
-        if closure is None:
-            if self._pending is None:
-                raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss, "
-                                 "or mc_samples `with optimizer.sampled_params(train=True):` blocks before it")
-            return self._finish_step()
-        if self._pending is not None:
-            if self._pending.count == len(self.sample_shard):  # else _finish_step says how many blocks ran
-                params = [p for block in self.blocks for p in block.params]
-                if closure() is not None or any(p.grad is not None for p in params):
-                    for p in params:
-                        p.grad = None
-                    raise RuntimeError("step(closure) after sampled_params(train=True) blocks: the closure trained "
-                                       "(it returned a loss or left gradients), and its samples cannot join those "
-                                       "of the blocks; call step() without a closure to apply the blocks' update")
-            return self._finish_step()
-        evaluate_sequential(self, closure, batch_size)  # K samples theta_k = mu + A eps_k, their gradients g_k
-        return self._finish_step()  # E[g], E[g eps^T] -> the update of every block
+        if closure is None or self._pending is not None:
+            return self._finish_own_loop(closure)
+        pending = self._start_step(batch_size)
+        try:
+            for k in self.sample_shard:  # Algorithm 1's loop over the K Monte Carlo samples
+                noises = pending.noise(k)  # eps_k
+                if self._defer_linear_samples and pending.linear_kronecker:  # the fast path, the same numbers
+                    self._defer_linear_samples = deferred_closure_sample(pending, k, noises, closure, self.load_sample)
+                else:
+                    self.load_sample(noises, 0)  # theta_k = mu + A eps_k
+                    with pending.gradients(k, noises, reports_loss=True) as sample:  # g_k, added to the sums
+                        sample.loss = loss_value(closure())
+        except BaseException:  # a failed sample abandons the step: the posterior is unchanged
+            self._pending = None
+            pending.running.restore()
+            self.load_mean_into_model()
+            raise
+        return self._finish_step()  # E[g], E[g eps^T] -> the UPDATE of every block, the new mean loaded
+
+    def _finish_own_loop(self, closure: Callable[[], Tensor] | None) -> Tensor:
+        """step() after sampled_params(train=True) blocks: their update (a closure must not train)."""
+        if self._pending is None:
+            raise ValueError("FOOVB.step needs a closure that runs forward + backward and returns the loss, "
+                             "or mc_samples `with optimizer.sampled_params(train=True):` blocks before it")
+        if closure is not None and self._pending.count == len(self.sample_shard):  # else _finish_step says how many
+            refuse_training_closure(closure, self.blocks)
+        return self._finish_step()
 
     @contextlib.contextmanager
     def sampled_params(self, train: bool = False, *, seed: int | None = None,
                        batch_size: int | None = None) -> Iterator[Sample]:
         """Load a sampled network into the model for the duration of the block (the mean is restored after).
 
-        train=False: a draw from the posterior with its own noise (`seed`; None: a fresh one), not from the
-        training stream, e.g. to inspect or evaluate it.
-        train=True (IVON-style, for your own training loop): the block runs forward and backward on the
-        batch, and its gradients become one of the step's K Monte Carlo samples; after mc_samples blocks,
-        `step()` (no closure) applies the update::
+        train=False: a draw from the posterior with its own noise (`seed`; None: a fresh one), e.g. to inspect it.
+        train=True (IVON-style, your own training loop): the block runs forward and backward on the batch, and its
+        gradients become one of the step's K samples; after mc_samples blocks, `step()` applies the update::
 
             for _ in range(optimizer.mc_samples):
                 with optimizer.sampled_params(train=True):
                     F.cross_entropy(model(x), y).backward()
             optimizer.step()
-
-        `batch_size` as in `step`. `step(closure)` is this loop with the closure as the block.
         """
         self._check_ready_to_sample("sampled_params()")
         if train:
             if seed is not None:
                 raise ValueError("seed is for inspection (train=False): training samples come from the "
                                  "optimizer's noise stream")
-            with self._training_sample(batch_size, reports_loss=False) as sample:
-                yield sample
+            if self._pending is not None and batch_size is not None and batch_size != self._pending.batch_size:
+                raise ValueError(f"batch_size={batch_size!r}, but this step's first sampled_params(train=True) "
+                                 f"block had batch_size={self._pending.batch_size!r}: the step's samples share one "
+                                 "batch")
+            pending = self._pending if self._pending is not None else self._start_step(batch_size)
+            if pending.count == len(self.sample_shard):
+                raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
+            k = self.sample_shard[pending.count]
+            noises = pending.noise(k)  # eps_k
+            try:
+                self.load_sample(noises, 0)  # theta_k = mu + A eps_k
+                with pending.gradients(k, noises, reports_loss=False) as sample:  # g_k, added to the sums
+                    yield sample
+            except BaseException:  # a failed sample abandons the step: the posterior is unchanged
+                self._pending = None
+                pending.running.restore()
+                raise
+            finally:
+                self.load_mean_into_model()
             return
         # not from self.generator: inspecting samples must not change the training noise
         noises = self.draw_noise(inspection_seed(seed), range(1))
@@ -318,21 +312,11 @@ class FOOVB(torch.optim.Optimizer):
             self.load_mean_into_model()
 
     def _check_ready_to_sample(self, what: str) -> None:
-        """`what` needs the posterior mean in the model: not inside a step's closure or a sampled_params block,
-        whose sampled network it would replace; nor on a model whose parameters were replaced."""
+        """`what` needs the posterior mean in the model (not a sample it would replace) and the model's parameters."""
         if self._progress.sample_loaded:
             raise RuntimeError(f"{what} inside a step's closure or a sampled_params block: the model holds a sampled "
                                "network there, which it would replace (or predict from); call it between steps")
         check_same_parameters(self.model, self.blocks, training=False)
-
-    def _training_sample(self, batch_size: int | None, reports_loss: bool, restore_mean: bool = True,
-                         defer: bool = False) -> contextlib.AbstractContextManager[Sample]:
-        """One Monte Carlo sample of the current step (started here if none is): `engine.Step.sample`."""
-        if self._pending is not None and batch_size is not None and batch_size != self._pending.batch_size:
-            raise ValueError(f"batch_size={batch_size!r}, but this step's first sampled_params(train=True) block "
-                             f"had batch_size={self._pending.batch_size!r}: the step's samples share one batch")
-        pending = self._pending if self._pending is not None else self._start_step(batch_size)
-        return pending.sample(self, reports_loss, restore_mean, defer)
 
     def _start_step(self, batch_size: int | None) -> Step:
         if batch_size is not None:
@@ -342,13 +326,13 @@ class FOOVB(torch.optim.Optimizer):
         check_same_parameters(self.model, self.blocks)
         self._adopt_model_weights()
         blocks = trainable_blocks(self.blocks)
-        self._pending = Step(self._next_seed(), blocks, {block: block.new_statistics() for block in blocks},
-                                     RunningStatistics(self.model), batch_size)
+        self._pending = Step(self._next_seed(), blocks, self.blocks, self.model, self.antithetic, self.loss_reduction,
+                             {block: block.new_statistics() for block in blocks}, RunningStatistics(self.model),
+                             batch_size)
         return self._pending
 
     def _adopt_model_weights(self) -> None:
-        """Values written into the parameters since the last step (load_state_dict, a copy) become the mean;
-        not while the model holds a sample the optimizer loaded (posterior() or state_dict() in a closure)."""
+        """Values written into the parameters since the last step become the mean (not a loaded sample)."""
         if self._progress.sample_loaded:
             return
         for block in self.blocks:
@@ -363,107 +347,47 @@ class FOOVB(torch.optim.Optimizer):
                                f"{len(self.sample_shard)} sampled_params(train=True) blocks ran before step()")
         if pending.grad_scale not in (None, 1.0):  # the sums are linear in the gradients: scaled once, here
             scale_statistics(pending.stats, pending.grad_scale)
+        first = [block for block in pending.stats if block not in self._progress.first_mean_norms]
+        self._progress.prior_variances.update({block: _mean_variance(block) for block in first})  # for the advice
         try:
-            mean_loss = self._apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
-                                           pending.seed)
+            mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples, self.mean_step,
+                                     self.cov_step, self.statistics_reducer, self.steps_taken, self.std_growth,
+                                     pending.seed)
         except BaseException as error:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
             if isinstance(error, FloatingPointError) and self.steps_taken:
                 raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
+        self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
+        self.load_mean_into_model()
+        self.steps_taken += 1
         pending.running.average()
         return torch.tensor(mean_loss, dtype=torch.float64)
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> Tensor:
-        """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv2d models).
-
-        loss_fn(outputs, targets) (default: cross-entropy, reduced as `loss_reduction` says) sees the K stacked
-        outputs (K r rows) and the targets repeated K times, or one sample's r rows where the step goes one sample
-        at a time (below): it must be a sum or a mean over rows; `chunk_size` samples per pass bound the memory
-        (default all K). The same update as `step` for the same seed. On the CPU, an nn.Conv2d or a layer whose
-        sampled weight has WIDE_LAYER elements or more (diagonal or full blocks) makes the step go one sample at
-        a time, as `step` does (measured faster there; on a GPU every layer is stacked: docs/performance.md).
-        Returns the mean loss."""
+        """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv2d models): the same
+        update as `step` for the same seed. loss_fn(outputs, targets) (default: cross-entropy, reduced as
+        `loss_reduction` says) sees the K r stacked rows and the targets repeated K times: a sum or a mean over rows;
+        `chunk_size` samples per pass bound the memory. On the CPU an nn.Conv2d or a WIDE_LAYER makes the step go one
+        sample at a time, as `step` does (faster there: docs/performance.md). Returns the mean loss."""
         if self._pending is not None:
             raise RuntimeError("step_batched while sampled_params(train=True) blocks have started a step: call "
                                "step() without a closure to finish that one first")
-        loss_fn, chunk = check_batched_step(self, inputs, targets, loss_fn, chunk_size)
+        loss_fn, chunk = check_batched_step(self.blocks, self.model, self.loss_reduction, self.sample_shard, inputs,
+                                            targets, loss_fn, chunk_size)
         if stacking_is_slower(self.blocks):
             return self.step(closure_of(self.model, inputs, targets, loss_fn))
-        self._start_step(None).evaluate_stacked(self, inputs, targets, loss_fn, chunk)
-        # finished through step(), as an own loop's blocks are: LR schedulers see an optimizer step (no "scheduler
-        # before optimizer" warning), and the step pre/post hooks run once, around the update
-        return self.step()
+        pending = self._start_step(None)
+        try:
+            pending.evaluate_stacked(self.sample_shard, inputs, targets, loss_fn, chunk)
+        except BaseException:  # the posterior is unchanged
+            self._pending = None
+            raise
+        return self.step()  # through step(), as an own loop: LR schedulers and step hooks see one optimizer step
 
-    def _apply_update(self, stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float,
-                      num_samples: int, step_seed: int) -> float:
-        """UPDATE every block the step trains (`engine.apply_update`), then load the new mean into the model."""
-        first = [block for block in stats if block not in self._progress.first_mean_norms]
-        self._progress.prior_variances.update({block: _mean_variance(block) for block in first})
-        mean_loss = apply_update(stats, losses, loss_rows, num_samples, self.mean_step, self.cov_step,
-                                 self.statistics_reducer, self.steps_taken, self.std_growth, step_seed)
-        self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
-        self.load_mean_into_model()
-        self.steps_taken += 1
-        return mean_loss
 
-    # -- persistence -----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The posterior, the noise generator and the hyperparameters. The tensors are copies: later steps do
-        not change a saved state dict."""
-        self._adopt_model_weights()
-        state = super().state_dict()
-        state["state"] = {index: {key: value.clone() for key, value in param_state.items()}
-                          for index, param_state in state["state"].items()}
-        state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
-        return state
-
-    def __getstate__(self) -> dict:
-        """Copying or pickling a FOOVB (copy.deepcopy, torch.save(opt)) kept torch's param_groups and state only: the
-        copy had no model, posterior blocks or noise generator, and failed at its first step. Refused instead."""
-        raise TypeError("a FOOVB cannot be copied or pickled (copy.deepcopy, pickle, torch.save of the optimizer): "
-                        "it holds the model and its posterior; save opt.state_dict() and the model's state_dict, and "
-                        "load them into a FOOVB built on the copy of the model")
-
-    def __setstate__(self, state: dict) -> None:
-        """torch's load_state_dict ends here. Through a wrapper that forwards attribute reads to the optimizer
-        (Lightning's LightningOptimizer), the optimizer's own param_groups and state are updated in place: set on
-        the wrapper, the loaded step sizes were its alone, and the optimizer stepped with the old ones."""
-        if "_progress" not in vars(self) and hasattr(self, "_progress"):  # read through a wrapper (not unpickling)
-            self.param_groups[:] = state["param_groups"]
-            self.state.clear()
-            self.state.update(state["state"])
-            return
-        super().__setstate__(state)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a `state_dict` of a FOOVB built with the same family, K and options on the same architecture,
-        with valid values (`check_state_dict`: finite, stds > 0, the parameters' dtypes, a generator state torch
-        accepts), all checked before anything changes: a refused load changes nothing. The step sizes ("lr", the
-        mean step, and "cov_step") are taken from it, as torch optimizers do with their learning rates. The tensors
-        are copied."""
-        if self._pending is not None:
-            raise RuntimeError("load_state_dict while a step is under way (sampled_params(train=True) blocks ran, or "
-                               "inside a step's closure): its samples came from the current posterior; call step() "
-                               "first, or load before the blocks")
-        if not isinstance(state_dict, dict) or not {"state", "param_groups", "foovb"} <= state_dict.keys():
-            raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
-        state_dict = dict(state_dict)
-        check_state_dict(state_dict, self._fixed, len(self.param_groups[0]["params"]), self.blocks,
-                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}, self.generator)
-        extra = state_dict.pop("foovb")
-        state_dict["param_groups"] = [{**LEGACY_FIXED, **group} for group in state_dict["param_groups"]]
-        super().load_state_dict(state_dict)
-        self.generator.set_state(extra["generator"])
-        self.steps_taken = int(extra["steps_taken"])
-        for block in self.blocks:
-            loaded = self.state[block.params[0]]
-            block.state.clear()
-            block.state.update({key: value.clone() for key, value in loaded.items()})
-            self.state[block.params[0]] = block.state
-        self.load_mean_into_model()
 
 
 def _mean_variance(block: PosteriorBlock) -> float:

@@ -194,6 +194,17 @@ def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict
 SQRT_COVS = ("input_sqrt_cov", "output_sqrt_cov", "sqrt_cov")
 
 
+def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, settings: dict) -> dict:
+    """The optimizer's param_groups[0] from the resolved settings, as Python numbers (numpy scalars would not load
+    with torch.load's weights_only default); "lr" is the mean step."""
+    std_init = settings["std_init"] if settings["std_init"] == XAVIER else float(settings["std_init"])
+    return dict(posterior=posterior, mc_samples=int(mc_samples), std_init=std_init, alpha=float(settings["alpha"]),
+                lr=float(settings["mean_step"]), cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
+                antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
+                cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
+                curvature_damping=bool(settings["curvature_damping"]))
+
+
 def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
                      index: dict[int, int], generator: torch.Generator) -> None:
     """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture

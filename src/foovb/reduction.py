@@ -22,6 +22,7 @@ only what it can tell for sure, and everything else is an error that names the o
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -269,17 +270,28 @@ def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int
 
 
 _ACTIVE_SPIES: list[LossSpy] = []  # the spies of the steps running now (a step inside a step's closure: two)
-_MODULE_HOOKS: list = []
+_MODULE_HOOKS: list = []  # the two global module hooks, while an optimizer that may spy lives
+_HOOK_HOLDERS = [0]  # how many live optimizers hold them
 
 
-def _install_module_hooks() -> None:
-    """Global module hooks, registered once per process, that tell the active spies of every module call: the
-    closure may call the model or only its submodules (Lightning's self.net(x)). Registered once, not per step:
-    torch.compile guards on the global hooks, and a new hook every step recompiled the user's compiled model at
-    every step (10x slower steps). With no active spy they return at once."""
+def hold_module_hooks(owner: object) -> None:
+    """Global module hooks that tell the active spies of every module call (the closure may call the model or only
+    its submodules: Lightning's self.net(x)), held while `owner` (an optimizer) lives: registered with the first
+    holder, removed with the last. Not per step: torch.compile guards on the global hooks, and a new hook every step
+    recompiled the user's compiled model at every step (10x slower steps). With no active spy they return at once."""
     if not _MODULE_HOOKS:
         _MODULE_HOOKS.extend([nn.modules.module.register_module_forward_pre_hook(_enter_module),
                               nn.modules.module.register_module_forward_hook(_leave_module)])
+    _HOOK_HOLDERS[0] += 1
+    weakref.finalize(owner, _release_module_hooks)
+
+
+def _release_module_hooks() -> None:
+    _HOOK_HOLDERS[0] -= 1
+    if _HOOK_HOLDERS[0] == 0:
+        for handle in _MODULE_HOOKS:
+            handle.remove()
+        _MODULE_HOOKS.clear()
 
 
 def _enter_module(module: nn.Module, args: tuple) -> None:
@@ -306,7 +318,8 @@ class LossSpy(TorchFunctionMode):
         self._depth = 0
 
     def __enter__(self) -> LossSpy:
-        _install_module_hooks()
+        if not _MODULE_HOOKS:
+            raise RuntimeError("LossSpy needs the module hooks of a live optimizer (hold_module_hooks)")
         _ACTIVE_SPIES.append(self)
         return super().__enter__()
 
