@@ -1,6 +1,6 @@
 """The README's and the docs pages' examples run as pasted, and their shell commands are valid.
 
-Checked on README.md and every docs/*.md page:
+Checked on README.md, every docs/*.md page and every docs/results/*.md page:
 - every ```python block runs (in a temporary directory), except a block announced by an HTML comment
   `<!-- not run: REASON -->` on the line before its fence, which must still compile; a block announced by
   `<!-- run with env: KEY=VALUE ... -->` runs with those environment variables (docs/distributed.md's script
@@ -36,7 +36,8 @@ from foovb_suite.scenarios import VisionMix
 
 ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+RESULT_PAGES = sorted((ROOT / "docs" / "results").glob("*.md"))  # one page per scenario, beside the run outputs
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *RESULT_PAGES]
 TEST_COMMAND = 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest'
 NOT_RUN = re.compile(r"<!--\s*not run:[^>]*-->\s*$")
 RUN_WITH_ENV = re.compile(r"<!--\s*run with env:([^>]*)-->\s*$")
@@ -195,7 +196,7 @@ def test_pages_keep_their_commands() -> None:
     runs = {page.name: sum(1 for c in shell_commands(page) if (a := cli_argv(c)) and a[:1] == ["run"]
                            and not is_synopsis(a)) for page in PAGES}
     assert runs["README.md"] >= 6, "the README lost its demo or recommended-settings commands"
-    assert runs["results.md"] > 50, "docs/results.md lost the commands of its result tables"
+    assert sum(runs[page.name] for page in RESULT_PAGES) > 50, "docs/results/*.md lost the commands of their tables"
     assert runs["distributed.md"] >= 1
     benchmarks = sum(c.startswith("python benchmarks/") for page in PAGES for c in shell_commands(page))
     assert benchmarks >= 4, "docs/performance.md and docs/distributed.md lost their benchmark commands"
@@ -206,7 +207,8 @@ def test_readme_keeps_the_ci_test_command() -> None:
 
 
 def test_readme_and_docs_links_point_to_files() -> None:
-    """Relative links (and `docs/...` paths in code spans) of README.md and docs/*.md name files that exist."""
+    """Relative links (and `docs/...` paths in code spans) of README.md, docs/*.md and docs/results/*.md name files
+    that exist."""
     missing = []
     for page in PAGES:
         text = page.read_text()
