@@ -13,7 +13,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from foovb_suite.runner import load_run
+from foovb_suite.loading import load_run
 
 
 def _label(run: dict) -> str:

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from foovb import FOOVB
 from foovb.distributed import distribute, shard_batch
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
-from foovb_suite.learners import mlp
+from foovb_suite.models import mlp
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:

@@ -23,7 +23,7 @@ from closure_path import bare_diagonal_loop_ms
 from step_time import add_device_argument, describe, median_ms, step_and_update_ms
 
 from foovb import FOOVB
-from foovb_suite.learners import lenet
+from foovb_suite.models import lenet
 
 
 def main() -> None:

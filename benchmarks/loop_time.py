@@ -17,7 +17,7 @@ import time
 import torch
 
 from foovb_suite.config import load_config
-from foovb_suite.runner import build_learner, build_scenario, resolve_device
+from foovb_suite.factories import build_learner, build_scenario, resolve_device
 
 
 def main() -> None:

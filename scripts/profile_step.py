@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from foovb import FOOVB
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
-from foovb_suite.learners import lenet
+from foovb_suite.models import lenet
 
 
 def profile_steps(name: str, step, steps: int, device: torch.device) -> None:

@@ -18,7 +18,7 @@ import copy
 import torch
 
 from foovb_suite.config import load_config
-from foovb_suite.runner import build_learner, build_scenario
+from foovb_suite.factories import build_learner, build_scenario
 
 
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -31,7 +31,8 @@ from foovb import FOOVB
 from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
 from foovb_suite.cli import main
 from foovb_suite.config import config_from_dict
-from foovb_suite.runner import load_run, run
+from foovb_suite.loading import load_run
+from foovb_suite.runner import run
 
 WORLD = 2
 STEPS = 3

@@ -14,8 +14,9 @@ from torch import nn
 from torch.func import functional_call
 
 from foovb_suite.config import ConfigError, apply_overrides, config_from_dict
-from foovb_suite.learners import make_learner, make_model, mlp
+from foovb_suite.learners import make_learner
 from foovb_suite.mesu import MESULearner, mesu_update
+from foovb_suite.models import make_model, mlp
 from foovb_suite.runner import run
 
 UNIT_STEPS = dict(mean_step=1.0, std_step=1.0)

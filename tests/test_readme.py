@@ -31,7 +31,7 @@ from conftest import page_files
 from foovb_suite.cli import build_parser, config_path
 from foovb_suite.config import load_config
 from foovb_suite.custom import config_directory
-from foovb_suite.runner import build_learner
+from foovb_suite.factories import build_learner
 from foovb_suite.scenarios import VisionMix
 
 ROOT = Path(__file__).parent.parent

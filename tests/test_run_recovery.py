@@ -20,10 +20,11 @@ import yaml
 from conftest import TINY
 
 from foovb.predict import predict
-from foovb_suite import plots, runner
+from foovb_suite import factories, outputs, plots, runner
 from foovb_suite.cli import main
 from foovb_suite.config import ConfigError, config_from_dict
-from foovb_suite.runner import load_learner, load_model, run
+from foovb_suite.loading import load_learner, load_model
+from foovb_suite.runner import run
 
 # FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
 DIVERGING_FOOVB = ["learner.params.posterior=diagonal", "learner.params.std_init=1.0",
@@ -61,7 +62,7 @@ def _cli_run(config_file, out, *options: str) -> int:
 def _patch_observe(monkeypatch, at_call: int, action) -> None:
     """The learners that `run` builds from now on call `action(learner)` at their `at_call`-th observe (0-based;
     in a fresh run, the iteration), before the step, and take the step if it returns None, else return its value."""
-    build = runner.build_learner
+    build = factories.build_learner
 
     def build_and_patch(config, scenario, device):
         learner = build(config, scenario, device)
@@ -276,19 +277,19 @@ def test_a_run_stopped_while_writing_its_outputs_is_not_finished_and_resume_writ
     """A full disk (or a kill) after the accuracy matrices: summary.json, which marks a run finished, was written
     before stds.npz and the plots, so the run looked finished with outputs missing, and a rerun was refused."""
     run_dir = tmp_path / "r"
-    write = runner.write_atomically
+    write = outputs.write_atomically
 
     def full_disk_at_stds(data: bytes, path) -> None:
         if path.name == "stds.npz":
             raise OSError(28, f"no space left to write {path}")
         write(data, path)
 
-    monkeypatch.setattr(runner, "write_atomically", full_disk_at_stds)
+    monkeypatch.setattr(outputs, "write_atomically", full_disk_at_stds)
     with pytest.raises(OSError, match="no space left"):
         run(config_from_dict(TINY), run_dir, progress=False)
     assert (run_dir / "accuracy_matrix_mean.csv").is_file()
     assert not (run_dir / "summary.json").exists() and not (run_dir / "stds.npz").exists()
-    monkeypatch.setattr(runner, "write_atomically", write)
+    monkeypatch.setattr(outputs, "write_atomically", write)
     run(config_from_dict(TINY), run_dir, resume=True, progress=False)
     assert _modes(run_dir) == _modes(uninterrupted)
     saved, want = np.load(run_dir / "stds.npz"), np.load(uninterrupted / "stds.npz")
@@ -306,7 +307,7 @@ def test_checkpoints_load_with_torch_load_defaults(uninterrupted, tmp_path) -> N
 
 def _test_accuracy(model: torch.nn.Module) -> list[float]:
     """`model`'s accuracy on the test examples of each task that TINY's evaluations use."""
-    scenario = runner.build_scenario(config_from_dict(TINY))
+    scenario = factories.build_scenario(config_from_dict(TINY))
     accuracy = []
     with torch.no_grad():
         for task in range(scenario.num_tasks):
@@ -347,7 +348,7 @@ def test_the_divergence_advice_names_the_per_layer_prior() -> None:
     from types import SimpleNamespace
 
     from foovb import FOOVB
-    from foovb_suite.runner import _divergence_advice
+    from foovb_suite.loop import _divergence_advice
 
     advice = _divergence_advice(SimpleNamespace(optimizer=FOOVB(torch.nn.Linear(3, 2))))
     assert "a learner.params.std_init below the layers' own (now xavier: sqrt(2 / (fan_in + fan_out))" in advice

@@ -16,7 +16,7 @@ import yaml
 from conftest import TINY
 from test_run_recovery import _checkpoint_iteration, _cli_run, _modes, _patch_observe, no_plots  # noqa: F401
 
-from foovb_suite import rundir, runner
+from foovb_suite import loading, rundir
 from foovb_suite.config import config_from_dict
 from foovb_suite.rundir import RunDirectoryBusy, RunLock, content_digest, load_checkpoint
 from foovb_suite.runner import run
@@ -206,7 +206,7 @@ def test_a_second_sigterm_stops_at_once_and_says_sigterm(config_file, tmp_path, 
 
 def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypatch):
     """A signal during the final plots stopped the process with summary.json written but plots missing."""
-    from foovb_suite import runner
+    from foovb_suite import outputs
 
     drawn = []
 
@@ -218,7 +218,7 @@ def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypa
         return plot
 
     for kind in ("average_accuracy", "first_task_accuracy", "accuracy_matrix"):
-        monkeypatch.setattr(runner.plots, f"plot_{kind}", draw(kind))
+        monkeypatch.setattr(outputs.plots, f"plot_{kind}", draw(kind))
 
     def undeferred(signum, frame):
         raise AssertionError("the SIGTERM was not deferred: it would have stopped the process")
@@ -460,7 +460,7 @@ def test_a_checkpoint_path_that_is_no_file_is_named_as_what_it_is(config_file, i
             "device link": "is a device (a symbolic link to /dev/zero)"}[kind]
     assert f"{path} {want}, not a checkpoint file" in line
     with pytest.raises(FileNotFoundError, match=want.replace("(", r"\(").replace(")", r"\)")):
-        runner.load_learner(out)
+        loading.load_learner(out)
 
 
 def test_running_out_of_inodes_says_so(config_file, damaged, capfd, monkeypatch):

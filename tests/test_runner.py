@@ -17,11 +17,14 @@ import torch
 import yaml
 from conftest import TINY, page_files
 
-from foovb_suite import metrics, plots, runner
+from foovb_suite import factories, loading, metrics, plots, runner
 from foovb_suite.cli import main
 from foovb_suite.config import ConfigError, apply_overrides, config_from_dict, config_to_dict, load_config
+from foovb_suite.evaluation import tasks_seen
+from foovb_suite.factories import resolve_device
 from foovb_suite.learners import LEARNERS
-from foovb_suite.runner import experiment_key, load_model, load_run, resolve_device, run, tasks_seen
+from foovb_suite.loading import experiment_key, load_model, load_run
+from foovb_suite.runner import run
 
 QUICK = {
     "name": "quick",
@@ -49,7 +52,7 @@ CONTINUOUS = {"scenario.kind": "continuous_permuted_mnist", "scenario.train_subs
 def _spy_on_observe(monkeypatch) -> list:
     """The `task` argument of every `observe` call of the learners that `run` builds from now on."""
     tasks = []
-    build = runner.build_learner
+    build = factories.build_learner
 
     def build_and_spy(config, scenario, device):
         learner = build(config, scenario, device)
@@ -72,7 +75,7 @@ class _Crash(Exception):
 
 def _crash_at(monkeypatch, iteration: int) -> None:
     """The runs that follow crash when their stream reaches `iteration` (0-based): `iteration` iterations done."""
-    build = runner.build_scenario
+    build = factories.build_scenario
 
     def build_and_break(config):
         scenario = build(config)
@@ -537,8 +540,8 @@ def test_evaluation_is_on_the_test_sets(finished_run) -> None:
     """The final record's numbers, recomputed from the saved learner on each task's test set (first test_subset)."""
     run_dir, _ = finished_run
     config = load_config(run_dir / "config.yaml")
-    scenario = runner.build_scenario(config)
-    learner = runner.build_learner(config, scenario, torch.device("cpu"))
+    scenario = factories.build_scenario(config)
+    learner = factories.build_learner(config, scenario, torch.device("cpu"))
     learner.load_state_dict(torch.load(run_dir / "checkpoint.pt", weights_only=False)["learner"])
     last, subset = load_run(run_dir)["records"][-1], config.evaluation.test_subset
     assert last["iteration"] == scenario.num_iterations
@@ -827,7 +830,7 @@ def test_vision_mix_task_agnostic_and_subset_end_to_end(tmp_path, monkeypatch) -
                 "task_agnostic": True, "data_dir": str(tmp_path / "data"), "datasets": ["fashion_mnist", "notmnist"]}
     config = config_from_dict({"name": "vision", "scenario": scenario, "model": {"kind": "lenet"},
                                "learner": {"kind": "sgd", "params": {"lr": 0.05}}})
-    learner = runner.build_learner(config, runner.build_scenario(config), torch.device("cpu"))
+    learner = factories.build_learner(config, factories.build_scenario(config), torch.device("cpu"))
     assert learner.model[-1].out_features == 10  # one shared head (task-aware: 2 heads, 20 outputs)
     summary = run(config, tmp_path / "run", progress=False)
     assert tasks == [None] * 32  # 64 of the 96 images, 4 epochs of 4 batches, per dataset
@@ -840,7 +843,7 @@ def test_vision_mix_task_agnostic_and_subset_end_to_end(tmp_path, monkeypatch) -
     assert run(aware_joint, tmp_path / "aware_joint", progress=False)["modes"]["mean"]["average_accuracy"] > 0.3
     assert len(tasks) == 32 and sorted(set(tasks)) == [0, 1] and tasks[:16] != sorted(tasks[:16])
     with pytest.raises(ValueError, match=r"train_subset must be in \[1, 96\]"):
-        runner.build_scenario(config_from_dict({**config_to_dict(config),
+        factories.build_scenario(config_from_dict({**config_to_dict(config),
                                                 "scenario": {**scenario, "train_subset": 97}}))
 
 
@@ -864,7 +867,7 @@ def test_a_run_resumes_with_its_data_directory_moved(tmp_path) -> None:
             resume=True, progress=False)
     resumed = run(config_from_dict(moved), tmp_path / "r", resume=True, progress=False)
     assert resumed["modes"] == uninterrupted["modes"]
-    assert runner.experiment_key(moved) == runner.experiment_key(config)
+    assert loading.experiment_key(moved) == loading.experiment_key(config)
 
 
 # --- your own data and model: the custom scenario and model ------------------------------------------------------
@@ -1067,8 +1070,8 @@ def test_every_learner_trains_the_builtin_mlp_on_a_custom_stream(example_dir, mo
     assert (summary["scenario"], summary["iterations"]) == ("custom", 26)
     assert 0 <= summary["modes"]["mean"]["average_accuracy"] <= 1
     trained = load_model(example_dir / "r")
-    config = runner.saved_config(example_dir / "r")
-    initial = runner.build_learner(config, runner.build_scenario(config), torch.device("cpu")).model
+    config = loading.saved_config(example_dir / "r")
+    initial = factories.build_learner(config, factories.build_scenario(config), torch.device("cpu")).model
     assert [layer.out_features for layer in trained if hasattr(layer, "out_features")] == [16, 4]  # 4 classes
     assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trained.parameters(), strict=True))
 
@@ -1083,7 +1086,7 @@ def test_a_custom_model_is_given_the_input_shape_and_the_logits_to_output(user_d
                                        "model.kind": "custom", "model.hidden": "[100, 100]",
                                        "model.factory": "nets:make", "model.args": "{depth: 1}"}))
     stream = SimpleNamespace(num_tasks=2, task_aware=True, input_shape=(3, 32, 32), num_classes=10)
-    first, second = (runner.build_learner(config, stream, torch.device("cpu")) for _ in range(2))
+    first, second = (factories.build_learner(config, stream, torch.device("cpu")) for _ in range(2))
     assert sys.modules["nets"].GIVEN == [{"input_shape": (3, 32, 32), "num_classes": 20, "depth": 1}] * 2
     assert first.model[-1].out_features == 20
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from foovb_suite import scenarios
 from foovb_suite.data import ImageDataset, load_mnist
-from foovb_suite.learners import make_learner, make_model
+from foovb_suite.learners import make_learner
+from foovb_suite.models import make_model
 from foovb_suite.scenarios import (
     Batch,
     ContinuousPermutedMNIST,
@@ -27,6 +27,7 @@ from foovb_suite.scenarios import (
     RotatedMNIST,
     SplitMNIST,
     VisionMix,
+    base,
 )
 
 MEAN, STD = 0.1307, 0.3081  # the normalisation the paper's code uses for MNIST
@@ -357,7 +358,7 @@ def test_rotated_mnist_angle_schedule_and_task_angles(rotated_mnist):
     batches = list(rotated_mnist.batches())
     upright = rotated_mnist.images
     for iteration, batch in batches[::7]:
-        indices = torch.randperm(60000, generator=scenarios._generator(2, scenarios._ITERATION_SAMPLE, iteration))[:8]
+        indices = torch.randperm(60000, generator=base._generator(2, base._ITERATION_SAMPLE, iteration))[:8]
         assert torch.equal(batch.y, upright.train_labels[indices])
         assert torch.equal(batch.task, torch.full((8,), iteration // 5))
         x = upright.encode(upright.train_pixels[indices], 0)

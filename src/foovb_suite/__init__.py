@@ -9,9 +9,9 @@ __all__ = ["__version__", "load_learner", "load_model"]
 
 
 def __getattr__(name: str) -> object:
-    """`load_model` / `load_learner` from the runner, imported on first use (the runner imports matplotlib)."""
+    """`load_model` / `load_learner` of `foovb_suite.loading`, imported on first use (with the learners and streams)."""
     if name in ("load_learner", "load_model"):
-        from . import runner
+        from . import loading
 
-        return getattr(runner, name)
+        return getattr(loading, name)
     raise AttributeError(f"module 'foovb_suite' has no attribute {name!r}")

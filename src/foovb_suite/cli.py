@@ -74,7 +74,8 @@ def _run(args: argparse.Namespace) -> int:
     no traceback). The custom scenario's and model's factories are imported from the working directory, then the
     config file's directory (`foovb_suite.custom`)."""
     from .custom import config_directory
-    from .runner import TrainingDiverged, run
+    from .loop import TrainingDiverged
+    from .runner import run
 
     path = config_path(args.config)
     config = load_config(path, [*args.set, *(["tensorboard=true"] if args.tensorboard else [])])
@@ -128,9 +129,9 @@ def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> N
 
 def _seed_rows(runs: list[dict]) -> list[list]:
     """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
-    differ only in their seeds (`runner.experiment_key`), and each task's final accuracy averaged over them (" / "
+    differ only in their seeds (`loading.experiment_key`), and each task's final accuracy averaged over them (" / "
     between tasks); runs are named by their "name" entry."""
-    from .runner import experiment_key
+    from .loading import experiment_key
 
     groups: dict[str, list[dict]] = {}
     for r in runs:
@@ -173,8 +174,9 @@ def _protocol_differences(runs: list[dict]) -> list[str]:
 
 def _compare(args: argparse.Namespace) -> int:
     from . import plots
+    from .evaluation import tasks_seen
     from .learners import learner_hyperparameters
-    from .runner import load_run, tasks_seen
+    from .loading import load_run
 
     runs = [load_run(d) for d in args.run_dirs]
     names = [r["dir"].name for r in runs]

@@ -289,7 +289,7 @@ def validate(config: Config) -> Config:
     if s.num_tasks > MAX_TASKS:
         raise ConfigError(f"scenario.num_tasks: at most {MAX_TASKS} tasks, got {s.num_tasks}")
     # seed: torch.manual_seed takes 64-bit integers. scenario.seed: 32 bits, the first word of the keys of the
-    # scenario's streams (scenarios._generator), where a larger one would give another seed's streams
+    # scenario's streams (scenarios.base._generator), where a larger one would give another seed's streams
     for key, seed, bits in (("scenario.seed", s.seed, 32), ("seed", config.seed, 63)):
         if not 0 <= seed < 2**bits:
             raise ConfigError(f"{key}: must be in [0, 2**{bits}), got {seed}")

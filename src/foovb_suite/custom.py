@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ConfigError, ModelConfig, ScenarioConfig
-from .scenarios import InMemoryTasks
+from .scenarios.in_memory import InMemoryTasks
 
 __all__ = ["config_directory", "custom_model", "custom_tasks"]
 

@@ -1,4 +1,5 @@
-"""Learners (Avalanche's "strategies"): FOO-VB and the baselines behind one `Learner` protocol, plus models.
+"""Learners (Avalanche's "strategies"): FOO-VB, MESU and the baselines behind one `Learner` protocol, and
+`make_learner`, which builds one by name (`learner.kind` of a config).
 
 A learner sees batches only: `observe(x, y, task)`, where `task` is None in task-agnostic scenarios.
 """
@@ -6,7 +7,6 @@ A learner sees batches only: `observe(x, y, task)`, where `task` is None in task
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -19,11 +19,11 @@ from foovb.optimizer import PRESETS
 from foovb.predict import Predictions, predict
 from foovb.validation import is_boolean, is_integer
 
-from .baselines import BASELINES, head_logits, make_baseline
+from .baselines import BASELINES, make_baseline
 from .mesu import MESULearner
+from .models import head_logits
 
-__all__ = ["Learner", "FOOVBLearner", "MESULearner", "learner_hyperparameters", "make_learner", "make_model",
-           "LEARNERS", "MODELS"]
+__all__ = ["Learner", "FOOVBLearner", "MESULearner", "learner_hyperparameters", "make_learner", "LEARNERS"]
 
 
 class Learner(Protocol):
@@ -167,43 +167,3 @@ def make_learner(kind: str, model: nn.Module, num_heads: int = 1, classes_per_he
     if "seed" in inspect.signature(BASELINES[kind]).parameters:  # e.g. online EWC's Fisher labels
         hyperparameters = {"seed": seed, **hyperparameters}
     return make_baseline(kind, model, num_heads=num_heads, classes_per_head=classes_per_head, **hyperparameters)
-
-
-def mlp(input_size: int, hidden: Sequence[int] = (100, 100), num_classes: int = 10,
-        bias: bool = True) -> nn.Sequential:
-    """The paper's fully connected ReLU network (784-100-100-10 discrete, 1024-200-200-10 continuous); MESU's
-    comparison uses one without biases."""
-    layers: list[nn.Module] = [nn.Flatten()]
-    width = input_size
-    for size in hidden:
-        layers += [nn.Linear(width, size, bias=bias), nn.ReLU()]
-        width = size
-    layers.append(nn.Linear(width, num_classes, bias=bias))
-    return nn.Sequential(*layers)
-
-
-def lenet(input_shape: Sequence[int] = (3, 32, 32), num_heads: int = 5, num_classes: int = 10) -> nn.Sequential:
-    """LeNet-like network of the vision-datasets mix: conv 20 and 50 channels (kernel 5, ReLU, max-pool),
-    fully connected 500, and one 10-way head per task (all heads in one Linear, sliced by task)."""
-    channels, height, width = input_shape
-    out_height, out_width = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
-    features = 50 * out_height * out_width
-    return nn.Sequential(
-        nn.Conv2d(channels, 20, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(features, 500), nn.ReLU(), nn.Linear(500, num_heads * num_classes),
-    )
-
-
-MODELS = ("mlp", "lenet")
-
-
-def make_model(kind: str, input_shape: Sequence[int], num_classes: int, num_heads: int = 1,
-               hidden: Sequence[int] = (100, 100), bias: bool = True) -> nn.Module:
-    if kind == "mlp":
-        return mlp(int(np.prod(input_shape)), hidden, num_classes * num_heads, bias)
-    if not bias:
-        raise ValueError(f"model.bias: false is supported by the mlp model only, not {kind!r}")
-    if kind == "lenet":
-        return lenet(input_shape, num_heads, num_classes)
-    raise ValueError(f"unknown model {kind!r}; known: {', '.join(MODELS)}")

@@ -38,7 +38,7 @@ from torch.func import functional_call
 from foovb.predict import Predictions
 from foovb.validation import is_integer, is_real
 
-from .baselines import head_logits
+from .models import head_logits
 
 __all__ = ["mesu_update", "MESULearner"]
 

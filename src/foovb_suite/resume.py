@@ -1,0 +1,132 @@
+"""What --resume checks before it continues a run: that the config computes what the run's config.yaml does
+(`check_config_unchanged`), and that the checkpoint belongs to the run in the directory, written under its config, on
+its data, with records that fit its scenario (`run_identity`, which also draws a new run's identity for run.json)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import (
+    EXECUTION_KEYS,
+    EXECUTION_SCENARIO_KEYS,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    what_it_computes,
+)
+from .loading import saved_config
+from .rundir import CheckpointError
+
+__all__ = ["RUN_FILE", "check_config_unchanged", "run_identity"]
+
+RUN_FILE = "run.json"
+
+
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {"learner.params.lr": 0.05, ...}."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _with_defaults(computed: dict[str, Any]) -> dict[str, Any]:
+    """A computed config (`what_it_computes`) as recorded in a checkpoint, with the keys added to `Config` since it
+    was written at their defaults (as is, if it no longer parses)."""
+    try:
+        return what_it_computes(config_to_dict(config_from_dict(computed)))
+    except ConfigError:
+        return computed
+
+
+def check_config_unchanged(run_dir: Path, resolved: dict[str, Any]) -> None:
+    """--resume: a ConfigError unless the config (`resolved`, `config_to_dict`'s) computes what the one in
+    `run_dir`'s config.yaml does: only the execution keys may change."""
+    # parsed, so that keys added to Config since the run started compare as their defaults
+    saved = _flatten(what_it_computes(config_to_dict(saved_config(run_dir))))
+    computed = _flatten(what_it_computes(resolved))
+    changed = sorted(key for key in saved.keys() | computed.keys() if saved.get(key) != computed.get(key))
+    if changed:
+        details = ", ".join(f"{key}: {saved.get(key, '(absent)')!r} there, {computed.get(key, '(absent)')!r} here"
+                            for key in changed[:6])
+        raise ConfigError(f"--resume: the config differs from the one in {run_dir / 'config.yaml'} "
+                          f"({details}{', ...' if len(changed) > 6 else ''}); only {', '.join(EXECUTION_KEYS)} "
+                          f"and {', '.join('scenario.' + key for key in EXECUTION_SCENARIO_KEYS)} may change")
+
+
+def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | None, computed: dict[str, Any],
+                 data: str | None, scenario) -> str:
+    """The identity of the run in `run_dir`: a new one for a new run; on --resume, the one run.json holds, after
+    checking that the checkpoint `state` belongs to it: the same identity, the same computed config as config.yaml
+    and the command line (`computed`), the same data (`data`: the custom scenario's digest), records that fit this
+    scenario. A checkpoint of another run, copied in, one written under another config (config.yaml edited since)
+    or on other data (a factory that returns other data now) is a CheckpointError naming what differs."""
+    advice = "resume it in its own run directory, or start a new run in another directory (--out)"
+    recorded = _read_run_id(run_dir)
+    if state is None:
+        return secrets.token_hex(8)
+    _check_records(state, scenario, checkpoint_path)
+    run = state.get("run")
+    if run is None:  # a checkpoint written before checkpoints recorded their run
+        print(f"foovb: warning: {checkpoint_path} was written by an earlier foovb that did not record its run: "
+              f"that it belongs to this directory is not verified", file=sys.stderr)
+        return recorded or secrets.token_hex(8)
+    if run["id"] != recorded:
+        here = f"this directory's {RUN_FILE} says {recorded}" if recorded else f"this directory has no {RUN_FILE}"
+        raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; {here}): it "
+                              f"was copied from another run directory; {advice}")
+    saved, here = _flatten(_with_defaults(run["config"])), _flatten(computed)
+    changed = sorted(key for key in saved.keys() | here.keys() if saved.get(key) != here.get(key))
+    if changed:
+        details = "; ".join(f"{key}: checkpoint {saved.get(key, '(absent)')!r}, config.yaml and command line "
+                            f"{here.get(key, '(absent)')!r}" for key in changed[:6])
+        raise CheckpointError(f"--resume: {checkpoint_path} was written under another config than "
+                              f"{run_dir / 'config.yaml'} says ({details}{'; ...' if len(changed) > 6 else ''}): "
+                              f"config.yaml was edited after the run started; restore it, or start a new run")
+    if run.get("data") != data:
+        raise CheckpointError(f"--resume: scenario.factory {computed['scenario']['factory']!r} returns other data "
+                              f"than when the run started (SHA-256 {data}, the checkpoint's {run.get('data')}): a "
+                              "factory must return the same data at every call (seed its randomness, e.g. from its "
+                              "args); restore it, or start a new run")
+    return recorded
+
+
+def _read_run_id(run_dir: Path) -> str | None:
+    """The identity in `run_dir`'s run.json (None: no such file); a CheckpointError for a damaged one."""
+    path = run_dir / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is not a run identity file ({{\"run_id\": ...}}): {error}") from None
+    if not isinstance(run_id, str):
+        raise CheckpointError(f"{path} is not a run identity file: its run_id is {run_id!r}")
+    return run_id
+
+
+def _check_records(state: dict[str, Any], scenario, path: Path) -> None:
+    """A CheckpointError unless the checkpoint's iteration and evaluation records fit `scenario` (its number of
+    tasks and iterations): a checkpoint of a run with other tasks."""
+    num_tasks, num_iterations = scenario.num_tasks, scenario.num_iterations
+    problem = None
+    if not (isinstance(state["iteration"], int) and 0 <= state["iteration"] <= num_iterations):
+        problem = f"it stopped at iteration {state['iteration']!r}, this run has {num_iterations}"
+    for record in state["records"] if isinstance(state["records"], list) else [None]:
+        if problem is not None:
+            break
+        try:
+            widths = {len(values) for values in record["accuracy"].values()}
+            if widths != {num_tasks} or not 0 <= record["stage"] < num_tasks:
+                problem = f"its evaluations cover {sorted(widths)} tasks, this run has {num_tasks}"
+        except (TypeError, KeyError, AttributeError):
+            problem = "its evaluation records are malformed"
+    if problem is not None:
+        raise CheckpointError(f"{path} does not fit this run's scenario ({problem}): resume it with the config it "
+                              "was written with, or start a new run")

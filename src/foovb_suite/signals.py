@@ -1,0 +1,89 @@
+"""Ctrl-C and SIGTERM during a run: a first one is deferred to the end of the iteration (`deferred_interrupt`), so
+that the run checkpoints before it stops (`RunInterrupted`); a second one stops at once. The progress bar's stream
+outlives a terminal that the same Ctrl-C closed (`StderrWhileReadable`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .rundir import send_to_devnull
+
+__all__ = ["RunInterrupted", "StderrWhileReadable", "deferred_interrupt"]
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run (a KeyboardInterrupt, so `except KeyboardInterrupt` still catches it); the
+    message says what was saved. `checkpoint_iteration`: where `--resume` continues (None: no checkpoint);
+    `signal_number`: the signal (SIGINT for a KeyboardInterrupt raised otherwise)."""
+
+    def __init__(self, message: str, checkpoint_iteration: int | None, signal_number: int = signal.SIGINT):
+        self.signal_number = int(signal_number)
+        super().__init__(message)
+        self.checkpoint_iteration = checkpoint_iteration
+
+
+class _StopNow(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: stop at once (`signal_number`: which one, for the exit status)."""
+
+    def __init__(self, signal_number: int):
+        super().__init__()
+        self.signal_number = signal_number
+
+
+class StderrWhileReadable:
+    """The progress bar's stream: sys.stderr until a write fails (a `| tee` stopped by Ctrl-C, a closed terminal),
+    then nothing, so that the run goes on to its checkpoint instead of dying in the bar's BrokenPipeError."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except OSError:
+            send_to_devnull(2)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except OSError:
+            send_to_devnull(2)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.stderr, name)
+
+
+@contextlib.contextmanager
+def deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
+    """Within the block, a first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and `timeout` send before a
+    kill) only records the signal, returned by a function that the training loop checks between iterations, so that
+    no step or evaluation is cut in half and the run checkpoints before it stops; a second one raises
+    KeyboardInterrupt at once. Not `enabled` (distributed runs, whose processes could stop at different
+    iterations), or outside the main thread (where no signal handler can be set), the signals act as usual."""
+    requested: list[int] = []
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if requested:
+            raise _StopNow(signum)
+        requested.append(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        try:  # os.write: print could re-enter a write to stderr that the signal cut
+            os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
+                        "checkpoint)\n".encode())
+        except OSError:  # stderr's reader is gone (`| tee`, which the same Ctrl-C stopped): checkpoint all the same
+            send_to_devnull(2)
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: requested[0] if requested else None
+    finally:
+        for signum, handler_before in previous.items():
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, handler_before if handler_before is not None else default)
