@@ -23,18 +23,11 @@ from torch import Tensor, nn
 
 from .linalg import LowRank, root_scale, sqrt_covariance_update
 
-__all__ = [
-    "PosteriorBlock",
-    "DiagonalBlock",
-    "KroneckerBlock",
-    "FullBlock",
-    "PosteriorView",
-    "FAMILIES",
-    "full_precision",
-    "drop_autocast_cache",
-]
+__all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "PosteriorView", "FAMILIES",
+           "full_precision", "drop_autocast_cache"]
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
+FAMILIES = ("diagonal", "kronecker", "full")
 
 
 def full_precision() -> contextlib.AbstractContextManager:
@@ -62,9 +55,8 @@ def drop_autocast_cache() -> None:
 
 @dataclass(frozen=True)
 class PosteriorView:
-    """The posterior of one parameter tensor: `mean` and marginal `std` in the parameter's shape, and
-    `covariance()`, the dense covariance of `param.flatten()` (numel x numel; for small parameters).
-    A snapshot: copies, unchanged by later steps, and changing them does not change the optimizer."""
+    """The posterior of one parameter tensor: `mean` and marginal `std` in its shape, `covariance()` the dense
+    covariance of `param.flatten()` (numel x numel). A snapshot: copies, unchanged by later steps."""
 
     mean: Tensor
     std: Tensor
@@ -83,8 +75,8 @@ def step_tempering(mean_step: float, cov_step: float) -> float:
     """gamma / beta for the implicit mean step's covariance: the posterior's fixed point for the likelihood raised to
     gamma = max(beta, eta 2 / (3 sqrt(3))) instead of beta, so that on a quadratic a step moves each weight at most
     its distance to the minimum (eta sigma_gamma^2 h <= 0.385 eta / gamma <= 1), whatever beta. Where beta is the
-    larger (the recommended preset: beta 0.5, eta <= 1) it is 1: the step is the posterior's own. Once the
-    likelihood dominates the prior, sigma_gamma^-2 ~ n beta h + gamma h ~ sigma^-2: later steps are unchanged."""
+    larger (the recommended preset: beta 0.5, eta <= 1) it is 1. Once the likelihood dominates the prior,
+    sigma_gamma^-2 ~ n beta h + gamma h ~ sigma^-2: later steps are unchanged."""
     return max(1.0, IMPLICIT_STEP_BOUND * mean_step / cov_step) if cov_step > 0 else 1.0
 
 
@@ -505,6 +497,3 @@ class FullBlock(PosteriorBlock):
         shape = self.params[index].shape
         std = a[rows].square().sum(1).sqrt().reshape(shape)
         return PosteriorView(self.mean_values()[index].clone(), std, lambda: a[rows] @ a[rows].T)
-
-
-FAMILIES = ("diagonal", "kronecker", "full")
