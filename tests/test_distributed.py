@@ -581,6 +581,7 @@ def test_different_optimizer_settings_raise_on_every_rank(results: list[dict]) -
         assert "disagree on lr, antithetic" in results[rank]["different_settings"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["raises", "hangs"])
 def test_failing_rank_stops_the_whole_job(tmp_path: Path, failure: str) -> None:
     """No launcher stops the survivor here: rank 0 must fail by itself, at once when rank 1 raises (the peer's
@@ -639,6 +640,7 @@ def test_invalid_modes_raise(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_runner_under_torchrun_resumes_single_process_with_the_same_metrics(tmp_path: Path) -> None:
     """2 processes train 5 iterations (evaluating once) and checkpoint; 1 process resumes: the metrics equal
     those of an uninterrupted single-process run."""

@@ -182,6 +182,7 @@ def _mnist_cnn_accuracy(steps: int = 100, batch: int = 64, **options) -> float:
         return (model(x_test).argmax(1) == y_test).float().mean().item()
 
 
+@pytest.mark.slow
 def test_matrix_variate_cnn_learns_mnist():
     """100 steps of 64 images (a ninth of an epoch), K = 4: the recommended matrix-variate settings reach
     ~0.92 test accuracy on 1000 test images (chance 0.1). With the paper's settings (independent samples,

@@ -187,6 +187,7 @@ MESU_QUICK = {
 }
 
 
+@pytest.mark.slow
 def test_mesu_learns_permuted_mnist_far_above_chance(tmp_path) -> None:
     summary = run(config_from_dict(json.loads(json.dumps(MESU_QUICK))), tmp_path / "run", progress=False)
     assert summary["learner"] == "mesu"

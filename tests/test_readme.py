@@ -38,7 +38,7 @@ ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
 RESULT_PAGES = sorted((ROOT / "docs" / "results").glob("*.md"))  # one page per scenario, beside the run outputs
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *RESULT_PAGES]
-TEST_COMMAND = 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest'
+TEST_COMMAND = 'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -m "not slow"'
 NOT_RUN = re.compile(r"<!--\s*not run:[^>]*-->\s*$")
 RUN_WITH_ENV = re.compile(r"<!--\s*run with env:([^>]*)-->\s*$")
 
@@ -203,6 +203,10 @@ def test_pages_keep_their_commands() -> None:
 
 
 def test_readme_keeps_the_ci_test_command() -> None:
+    """.ci/run runs the README's test command verbatim (the fast tests), then the slow ones."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[ci.index("# The README's test command:") + 1] == TEST_COMMAND
+    assert "python -m pytest -m slow" in ci, ".ci/run must run the slow tests too"
     assert TEST_COMMAND in README.read_text().splitlines(), f"the README must show {TEST_COMMAND!r} verbatim"
 
 

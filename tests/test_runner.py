@@ -638,6 +638,7 @@ def test_baseline_and_continuous_scenario_and_compare(finished_run, tmp_path, ca
         "foovb: error: --plot-modes: none of the plotted runs has bma (they have mean)")
 
 
+@pytest.mark.slow
 def test_std_histograms_are_labelled_by_evaluation(tmp_path, monkeypatch) -> None:
     """Continuous runs with eval_every also evaluate inside task periods: their histograms say where."""
     drawn = {}
@@ -674,6 +675,7 @@ def test_experiment_key_ignores_only_seeds_name_and_execution_keys() -> None:
     assert experiment_key(quick(**{"scenario.batch_size": 32})) != key
 
 
+@pytest.mark.slow
 def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
     run_dir, summary = finished_run
     other = tmp_path / "seed1"
@@ -789,6 +791,7 @@ def _write_learnable_idx_dataset(directory, seed: int, train: int = 96, test: in
     (directory / "MD5SUMS.uncompressed").write_text("\n".join(sums) + "\n")
 
 
+@pytest.mark.slow
 def test_vision_mix_task_aware_lenet_end_to_end(tmp_path, monkeypatch) -> None:
     """Multi-head LeNet on two (synthetic stand-in) datasets through FOO-VB's step_batched (one sample at a time
     on the CPU, as for every Conv2d model); the learner gets each batch's task id."""
