@@ -11,8 +11,8 @@ Models: the paper's 784-100-100-10 MLP and a small CNN (two 5x5 convolutions of 
 Linear head), both with torch's default initialisation. Learners: `FOOVB(model)` (posterior "auto": the
 matrix-variate family on both models) and `FOOVB(model, "diagonal")`, each also with init="paper" (the paper's
 re-initialisation of the means; for the diagonal family also with one std_init 0.047 for every layer, its default
-before the per-layer prior), SGD (lr 0.1) and Adam (lr 1e-3). Prints the accuracy of the posterior mean on each task's test set after the
-stream, their average and each default's distance to the best FOO-VB row of its family.
+before the per-layer prior), SGD (lr 0.1) and Adam (lr 1e-3). Prints the accuracy of the posterior mean on each
+task's test set after the stream, their average and each default's distance to the best FOO-VB row of its family.
 
     python benchmarks/default_retention.py [--seeds 0] [--models mlp,cnn] [--streams permuted,rotated]
         [--steps-per-task 300] [--threads 1] [--learners ...] [--json out.json]

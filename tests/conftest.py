@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FAMILIES = ("diagonal", "kronecker", "full")
@@ -125,3 +127,85 @@ def page_files(page: Path) -> dict[str, str]:
     (docs/suite.md's custom-stream example): name -> content. tests/test_readme.py checks the page's commands on
     them, tests/test_runner.py runs them."""
     return dict(re.findall(r"<!--\s*file:\s*(\S+)\s*-->\n```\w*\n(.*?)```", page.read_text(), re.S))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared by the library tests (tests/test_engine.py, test_model_changes.py, test_optimizer.py, test_persistence.py,
+# test_posteriors.py, test_reduction.py, test_sampled.py)
+# ---------------------------------------------------------------------------------------------------------
+F64 = torch.float64
+
+# How close two routes to one update must agree (step == step_batched, chunked or not)
+TOLERANCE = {F64: {"atol": 1e-10, "rtol": 1e-9}, torch.float32: {"atol": 1e-5, "rtol": 1e-4}}
+
+# The batch that the loss-reading tests' closures see by default (tests/test_reduction.py, test_model_changes.py)
+_X8, _Y8 = mlp_batch(rows=8)
+
+
+def ce_closure(model, x, y, reduction="sum"):
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def take_steps(model, opt, start, count):
+    """`count` steps with ce_closure on the batches mlp_batch(seed=200 + step), step = start, start + 1, ..."""
+    for step in range(start, start + count):
+        x, y = mlp_batch(seed=200 + step)
+        opt.step(ce_closure(model, x, y))
+
+
+def randomize_factors(opt, gen, scale=0.3):
+    """Replace the (diagonal / isotropic) initial covariances by random non-symmetric square roots and random
+    stds, so that the tests can tell A from A^T and rows from columns."""
+    for block in opt.blocks:
+        st = block.state
+        if block.family == "diagonal":
+            st["std"].copy_(scale * (0.5 + torch.rand(st["std"].shape, generator=gen, dtype=F64)))
+        elif block.family == "full":
+            st["sqrt_cov"] = scale * random_sqrt(st["sqrt_cov"].shape[0], gen).to(st["mean"].dtype)
+        else:
+            for key in ("input_sqrt_cov", "output_sqrt_cov"):
+                st[key] = math.sqrt(scale) * random_sqrt(st[key].shape[0], gen).to(st["mean"].dtype)
+
+
+def model_closure(model, loss_fn, detach=False):
+    """A closure of loss_fn(model); `detach`: it returns a detached copy of the loss, as Lightning's closure does."""
+    def closure():
+        loss = loss_fn(model)
+        loss.backward()
+        return loss.detach().clone() if detach else loss  # Lightning's closure returns a detached copy
+
+    return closure
+
+
+def closure_of(model, loss_fn, x=_X8, y=_Y8):
+    """A closure of loss_fn(model(x), y)."""
+    def closure():
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def summed_ce(out, y):
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def assert_same_posterior(got, want, rtol=1e-5, atol=1e-6):
+    for a, b in zip(posterior_snapshot(got), posterior_snapshot(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def one_step(loss_fn, family="diagonal", seed=0, **options):
+    """The optimizer after one step of loss_fn on mlp(seed) (K = 4, seed 3) with closure_of's batch."""
+    from foovb import FOOVB
+
+    model = mlp(seed=seed)
+    opt = FOOVB(model, family, 4, seed=3, **options)
+    opt.step(closure_of(model, loss_fn))
+    return opt

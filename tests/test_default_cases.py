@@ -25,7 +25,8 @@ def fit(model: nn.Module, make_optimizer, loss_fn, x: torch.Tensor, y: torch.Ten
     small_models.train(model, make_optimizer(model), loss_fn, x, y, epochs, batch)
 
 
-pytestmark = pytest.mark.slow
+# single-threaded as benchmarks/small_models.py measured the bars (two threads on a busy 2-core box: 20-38 min)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 FAMILIES = ("diagonal", "kronecker")
 PREVIOUS_DEFAULT = {"diagonal": {"implicit_mean": False, "cov_step": 0.3},

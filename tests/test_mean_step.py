@@ -11,6 +11,8 @@ from torch import nn
 from foovb import FOOVB
 from foovb.linalg import root_scale
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def quadratic_step(curvature: torch.Tensor, target: torch.Tensor, implicit_mean: bool, steps: int = 1,
                    std_init: float = 0.5, mean_step: float = 1.0, cov_step: float = 1.0) -> tuple[FOOVB, nn.Linear]:

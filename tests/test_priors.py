@@ -1,14 +1,19 @@
-"""The default prior std (std_init="xavier", foovb/priors.py): each layer's sqrt(2 / (fan_in + fan_out)), from the
-shapes only, on fresh, pretrained and degenerate models; the model's weights stay the prior mean."""
+"""foovb.priors, the initial posterior: the default prior std (std_init="xavier"): each layer's
+sqrt(2 / (fan_in + fan_out)), from the shapes only, on fresh, pretrained and degenerate models; the model's weights
+stay the prior mean; embeddings; the default posterior "auto"; and the initialisations of the means and stds (the
+paper's, "bgd", "alpha", "keep": paper appendix "Implementation details")."""
 
 import math
 
 import pytest
 import torch
+from conftest import FAMILIES, PAPER, all_equal, mlp, params_snapshot
 from torch import nn
 
 from foovb import FOOVB
 from foovb.priors import AUTO_MAX_FEATURES, PAPER_STD_INIT, xavier_std
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def paper_mlp(seed: int = 0) -> nn.Sequential:
@@ -145,6 +150,7 @@ def test_an_embedding_table_is_a_linear_layer_on_one_hot_inputs(family, table):
     assert xavier_std(small.weight, small) == pytest.approx(math.sqrt(2 / 33))
 
 
+@pytest.mark.slow  # 60 steps of a 20,000-row embedding: 2-3 s single-threaded, 3x the slowest unmarked test
 def test_a_large_embedding_table_learns_a_lookup_with_the_default_prior():
     """200 of 20,000 tokens, each with a random label, 60 steps of 64: the table's rows must move to fit them."""
     torch.manual_seed(0)
@@ -303,3 +309,101 @@ def test_the_default_posterior_initialises_its_diagonal_layers_with_the_paper_pr
     assert families(opt)["0.weight"] == "diagonal" and families(opt)["1.weight"] == "kronecker"
     assert model[0].weight.std().item() == pytest.approx(xavier_std(model[0].weight), rel=0.05)
     assert torch.equal(model[0].bias, torch.zeros(20))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Initialisation (paper appendix "Implementation details")
+# ---------------------------------------------------------------------------------------------------------
+def _check_normal_sample(values, std):
+    """Mean 0 and standard deviation `std`, to 6 standard errors (SE of the std ~ std / sqrt(2 N))."""
+    n = values.numel()
+    assert abs(values.mean().item()) < 6 * std / math.sqrt(n)
+    assert abs(values.std().item() / std - 1) < 6 / math.sqrt(2 * n)
+
+
+@pytest.mark.parametrize("family", ["diagonal", "full"])
+def test_paper_init_diagonal_and_full(family):
+    torch.manual_seed(0)
+    if family == "diagonal":
+        model = nn.Sequential(nn.Linear(400, 500), nn.Conv2d(32, 64, 3))
+    else:
+        model = nn.Sequential(nn.Linear(40, 50))
+    opt = FOOVB(model, family, std_init=0.03, seed=0, **PAPER)
+    for module in model:
+        fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
+        _check_normal_sample(module.weight.detach(), math.sqrt(2 / (fan_in + fan_out)))
+        assert torch.equal(module.bias.detach(), torch.zeros_like(module.bias))
+        for p in (module.weight, module.bias):
+            torch.testing.assert_close(opt.posterior(p).std, torch.full_like(p, 0.03), rtol=1e-6, atol=0)
+
+
+def test_bgd_init_draws_biases_with_fan_out_variance():
+    """init="bgd": the paper's weights and the BGD code's biases N(0, 2 / (1 + fan_out)). The last layer has
+    fan_in >> fan_out, where 2 / (1 + fan_out) is 5x 2 / (fan_in + fan_out)."""
+    model = nn.Sequential(nn.Linear(30, 4000), nn.Conv2d(3, 500, 3), nn.Linear(2000, 500))
+    FOOVB(model, "diagonal", init="bgd", seed=0, **PAPER)
+    for module in model:
+        fan_in, fan_out = module.weight[0].numel(), module.weight.shape[0] * module.weight[0, 0].numel()
+        _check_normal_sample(module.weight.detach(), math.sqrt(2 / (fan_in + fan_out)))
+        _check_normal_sample(module.bias.detach(), math.sqrt(2 / (1 + fan_out)))
+
+
+@pytest.mark.parametrize("family", ["diagonal", "full"])
+def test_alpha_init_matches_the_matrix_variate_family(family):
+    """init="alpha": per layer, means N(0, 2 alpha / (n_in + 2)) and the prior std of the matrix-variate
+    family at initialisation, sqrt(2 (1 - alpha) / (n_in + 2)); parameters outside Linear/Conv keep std_init."""
+    alpha = 0.3
+    (n_in0, n_out0), (c_in, c_out) = ((400, 500), (32, 64)) if family == "diagonal" else ((30, 40), (4, 5))
+
+    def layers():
+        return [nn.Linear(n_in0, n_out0), nn.Conv2d(c_in, c_out, 3)]
+
+    model = nn.Sequential(*layers(), nn.GroupNorm(1, c_out))
+    opt = FOOVB(model, family, std_init=0.03, init="alpha", alpha=alpha, seed=0, **PAPER)
+    for module, twin in zip(model[:2], layers(), strict=True):
+        n_in = module.weight[0].numel()
+        kronecker = FOOVB(twin, "kronecker", alpha=alpha, seed=0, **PAPER)
+        if family == "diagonal":  # enough draws for a distribution check
+            _check_normal_sample(module.weight.detach(), math.sqrt(2 * alpha / (n_in + 2)))
+        for index, p in enumerate((module.weight, module.bias)):
+            expected = kronecker.posterior(kronecker.blocks[0].params[index]).std
+            torch.testing.assert_close(opt.posterior(p).std, expected)
+            assert not torch.equal(p.detach(), torch.zeros_like(p))  # biases are drawn too
+    for p in model[2].parameters():
+        torch.testing.assert_close(opt.posterior(p).std, torch.full_like(p, 0.03), rtol=1e-6, atol=0)
+
+
+# n_in = 2: the mean's variance 2 alpha / (n_in + 2) is 3/4 of 2 alpha / (n_in + 1), visible in 6000 draws
+@pytest.mark.parametrize("module", [nn.Linear(400, 500), nn.Conv2d(32, 64, 3), nn.Linear(2, 2000)],
+                         ids=["linear", "conv", "linear-2-inputs"])
+def test_paper_init_kronecker(module):
+    alpha = 0.3
+    opt = FOOVB(module, "kronecker", alpha=alpha, seed=0, **PAPER)
+    block = opt.blocks[0]
+    n_in = module.weight[0].numel()
+    _check_normal_sample(block.state["mean"], math.sqrt(2 * alpha / (n_in + 2)))
+    for key in ("input_sqrt_cov", "output_sqrt_cov"):
+        factor = block.state[key]
+        assert torch.equal(factor, torch.diag(factor.diagonal()))
+    a_diag, b_diag = block.state["input_sqrt_cov"].diagonal(), block.state["output_sqrt_cov"].diagonal()
+    torch.testing.assert_close(torch.outer(b_diag, a_diag) ** 2,
+                               torch.full((b_diag.numel(), a_diag.numel()), 2 * (1 - alpha) / (n_in + 2)))
+    # marginal Var(W_ij) = 2 alpha / (n_in + 2) (mean) + 2 (1 - alpha) / (n_in + 2) (posterior) = 2/(n_in + 2)
+    std = opt.posterior(module.weight).std
+    torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 * (1 - alpha) / (n_in + 2))))
+    assert torch.equal(module.weight.detach(), block.mean_values()[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_keep_keeps_model_weights_and_paper_init_is_seeded(family):
+    model = mlp(seed=4)
+    before = params_snapshot(model)
+    FOOVB(model, family, init="keep", **PAPER)
+    assert all_equal(params_snapshot(model), before)
+    inits = []
+    for seed in (1, 1, 2):
+        model = mlp(seed=4)
+        FOOVB(model, family, seed=seed, **PAPER)
+        inits.append(params_snapshot(model))
+    assert not all_equal(inits[0], before)
+    assert all_equal(inits[0], inits[1]) and not all_equal(inits[0], inits[2])

@@ -6,7 +6,7 @@ batched path does, `sampled.SampledNetwork`) and, where the first layer's input 
 weight W = M + B Phi A^T is never formed (`_FactoredLinear`). It relies on two things torch does not document as
 an interface, kept here and nowhere else: TorchFunctionMode sees every torch function the closure calls on a
 parameter, and a deferred weight filled with NaN makes any unseen read show in the loss (`UnseenUse`, then the
-sample is redone with every weight loaded). tests/test_closure_low_rank.py checks both on every torch release the
+sample is redone with every weight loaded). tests/test_capture.py checks both on every torch release the
 project runs.
 """
 

@@ -1,10 +1,11 @@
-"""The closure path's low-rank matrix-variate statistics (issue 30): step(closure) captures each Kronecker
-nn.Linear layer's input X and output errors Delta and accumulates sum_k Psi_k^T B Phi_k = X_aug^T sum_k Delta_k
-B Phi_k as step_batched does, instead of from the dense gradient. These tests compare every statistic, and the
+"""foovb.capture: the closure path's low-rank matrix-variate statistics (issue 30). step(closure) captures each
+Kronecker nn.Linear layer's input X and output errors Delta and accumulates sum_k Psi_k^T B Phi_k = X_aug^T sum_k
+Delta_k B Phi_k as step_batched does, instead of from the dense gradient. These tests compare every statistic, and the
 updated posterior, with the dense computation (`Step._accumulate_captured` switched off), on MLPs (the first layer's
 input is shared by the samples, the later layers' are per sample), and check the fallback to the dense gradient
 wherever the gradient is not exactly Delta^T X_aug (a layer called twice, a weight used outside F.linear,
-clipped gradients, autograd.grad, an unused layer)."""
+clipped gradients, autograd.grad, an unused layer); then the deferred sampling of the first layer (its sampled weight
+never formed) and the unseen reads that are caught and redone."""
 
 from collections import Counter
 from unittest import mock

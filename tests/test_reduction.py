@@ -1,0 +1,471 @@
+"""foovb.reduction: the loss scale read from the loss's autograd graph (issue 35). What each loss is read as (a mean
+over n terms, a sum, a scaled mean, label smoothing, per-example sums, loss.backward(g), torch.autograd.backward, a
+constant added), the step each gives (that of the summed loss, on both paths), and what is refused with its fix (a
+constant times a mean, a regularised mean, stacks of losses, unequal micro-batches, declared reductions the loss
+contradicts, gradients filled without backward); the loss spy's module hooks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (
+    FAMILIES,
+    all_equal,
+    assert_same_posterior,
+    closure_of,
+    mlp,
+    mlp_batch,
+    one_step,
+    params_snapshot,
+    posterior_snapshot,
+    summed_ce,
+)
+from conftest import model_closure as _closure
+from torch import nn
+
+from foovb import FOOVB
+from foovb.optimizer import loss_reduction_of
+from foovb.reduction import loss_scale
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+X, Y = mlp_batch(rows=8)
+WEIGHT = torch.tensor([0.5, 1.0, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the loss is read as
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("loss_fn", "kind", "terms", "mean_inside"), [
+    (lambda out: F.cross_entropy(out, Y), "mean", 8, math.nan),
+    (lambda out: F.cross_entropy(out, Y, reduction="sum"), "sum", math.nan, math.nan),  # trusted
+    (lambda out: F.cross_entropy(out, Y, weight=WEIGHT), "mean", float(WEIGHT[Y].sum()), math.nan),
+    (lambda out: F.cross_entropy(out, torch.where(torch.arange(8) < 3, -100, Y)), "mean", 5, math.nan),
+    (lambda out: F.cross_entropy(out, Y, label_smoothing=0.1), "mean", 8, math.nan),
+    (lambda out: F.nll_loss(out.log_softmax(-1), Y), "mean", 8, math.nan),
+    (lambda out: -out.log_softmax(-1)[torch.arange(8), Y].mean(), "mean", 8, math.nan),
+    (lambda out: F.mse_loss(out, torch.zeros(8, 3)), "mean", 24, math.nan),
+    (lambda out: F.binary_cross_entropy_with_logits(out, torch.ones(8, 3), reduction="sum"), "sum", math.nan,
+     math.nan),
+    (lambda out: out.square().mean(), "mean", 24, math.nan),
+    (lambda out: out.square().sum(1).mean(), "mean", 8, math.nan),
+    (lambda out: out.square().sum(), "sum", 8, math.nan),  # a .sum() over 8 leading rows
+    (lambda out: 0.5 * out.square().sum(), "sum", 8, math.nan),
+    (lambda out: F.cross_entropy(out, Y, reduction="none").sum(), "sum", 8, math.nan),
+    (lambda out: F.cross_entropy(out, Y, reduction="none").sum() / 8, "mean", 8, math.nan),
+    (lambda out: F.cross_entropy(out, Y).sum(), "mean", 8, math.nan),  # the sum of one mean is the mean
+    (lambda out: F.cross_entropy(out, Y).mean(), "mean", 8, math.nan),  # so is its mean
+    (lambda out: (F.cross_entropy(out, Y) + out.square().sum()).mean(), "AddBackward0", math.nan, 8),
+    (lambda out: F.cross_entropy(out, Y) / 1, "mean", 8, math.nan),  # Lightning's division by accumulate_grad_batches
+    (lambda out: F.cross_entropy(out, Y) / 2, "mean", 8, math.nan),  # a mean of halved terms
+    (lambda out: F.cross_entropy(out, Y) * torch.tensor(3.0), "mean", 8, math.nan),
+    (lambda out: F.cross_entropy(out, Y) + 0.1 * out.square().sum(), "AddBackward0", math.nan, 8),
+    (lambda out: torch.stack([F.cross_entropy(out, Y), out.square().sum()]).sum(), "a .sum() over a stack of values",
+     math.nan, math.nan),
+    (lambda out: out.square().sum().sqrt(), "SqrtBackward0", math.nan, math.nan),
+])
+def test_loss_reduction_is_read_from_the_loss(loss_fn, kind, terms, mean_inside):
+    found = loss_reduction_of(loss_fn(mlp()(X)))
+    assert found.kind == kind
+    assert found.terms == pytest.approx(terms, nan_ok=True)
+    assert found.mean_inside == pytest.approx(mean_inside, nan_ok=True)
+
+
+@pytest.mark.parametrize("reduce", [torch.sum, torch.mean])
+def test_a_one_element_sum_or_mean_of_an_unread_loss_is_the_loss_of_a_batch_of_one_row_only(reduce):
+    """The per-example loss of a batch of one row, summed or averaged, is L_n; the same reduction of anything
+    else that has one element (loss.clamp(max=50).sum(), losses[:1].mean() of a larger batch) is refused, even
+    when the closure also called the model on one row."""
+    per_example = reduce(F.cross_entropy(mlp()(X[:1]), Y[:1], reduction="none"))
+    assert loss_scale(loss_reduction_of(per_example), "auto", None, frozenset({1})) == 1.0
+    for loss, operation in ((per_example, "NllLossBackward0"),
+                            (reduce(F.cross_entropy(mlp()(X), Y).clamp(max=50)), "ClampBackward1"),
+                            (reduce(F.cross_entropy(mlp()(X), Y, reduction="none")[:1]), "SliceBackward0")):
+        for rows in ({8}, {8, 1}):
+            with pytest.raises(ValueError, match=f"its last operation: {operation}"):
+                loss_scale(loss_reduction_of(loss), "auto", None, frozenset(rows))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step of a mean, scaled or summed loss is the summed loss's
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_mean_loss_takes_the_same_step_as_the_summed_loss(family, detach):
+    """auto (the default): F.cross_entropy's mean, weighted or not, is rescaled to the summed NLL, also when the
+    closure returns a detached copy of the loss (as Lightning's does)."""
+    snapshots = []
+    for loss_fn in (lambda m: F.cross_entropy(m(X), Y, reduction="sum"), lambda m: F.cross_entropy(m(X), Y),
+                    lambda m: F.cross_entropy(m(X), Y, weight=WEIGHT) * 0 + F.cross_entropy(m(X), Y)):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        try:
+            opt.step(_closure(model, loss_fn, detach))
+        except ValueError as error:  # the third adds means over different terms: auto cannot read it
+            assert "cannot be read" in str(error) and "step(closure, batch_size=8)" in str(error)
+            assert all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))  # nothing changed
+            continue
+        snapshots.append(posterior_snapshot(opt))
+    assert len(snapshots) == 2
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # the weighted mean is rescaled by its total weight: the step of the weighted summed loss
+    steps = []
+    for reduction in ("sum", "mean"):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        opt.step(_closure(model, lambda m, r=reduction: F.cross_entropy(m(X), Y, weight=WEIGHT, reduction=r)))
+        steps.append(posterior_snapshot(opt))
+    for got, want in zip(steps[1], steps[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_batched_path_reads_the_reduction_too():
+    """step_batched's loss_fn sees K stacked batches: a mean over all their elements (MSE over 3 outputs) is
+    rescaled by K rows outputs, the same step as the summed loss."""
+    targets = torch.randn(8, 3)
+    snapshots = []
+    for reduction in ("sum", "mean"):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "kronecker", 4, seed=3)
+        opt.step_batched(X, targets, lambda out, t, r=reduction: F.mse_loss(out, t, reduction=r))
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("loss_fn", "summed"), [
+    # a .sum() or .mean() over a one-element mean, also reshaped, cloned or cast: the mean (a .mean() was read as a
+    # mean over 1 term: steps batch-size times too small, silently)
+    (lambda out, y: F.cross_entropy(out, y).sum(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).mean(), summed_ce),
+    (lambda out, y: torch.nn.CrossEntropyLoss()(out, y).reshape(1).mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).clone().view(1).squeeze(), summed_ce),
+    (lambda out, y: F.cross_entropy(out.double(), y).float(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y, reduction="sum").mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).expand(1).mean(), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y).view(1, 1).t().repeat(1, 1).mean(), summed_ce),
+    # label smoothing keeps a mean over the batch
+    (lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1),
+     lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="sum")),
+    # a mean or a sum written by hand (a sum divided by the batch's rows, a mean times them)
+    (lambda out, y: summed_ce(out, y) / len(y), summed_ce),
+    (lambda out, y: F.cross_entropy(out, y) * len(y), summed_ce),
+    (lambda out, y: -out.log_softmax(-1)[torch.arange(len(y)), y].mean(), summed_ce),
+    # per-example losses summed over the batch's rows
+    (lambda out, y: F.cross_entropy(out, y, reduction="none").sum(), summed_ce),
+])
+def test_scaled_means_and_row_sums_take_the_step_of_the_summed_loss(family, loss_fn, summed):
+    assert_same_posterior(one_step(loss_fn, family), one_step(summed, family))
+
+
+def test_a_gradient_given_to_backward_scales_the_loss():
+    """loss.backward(g) gives the gradients of g * loss: g = 2 was ignored (a step twice too large, silently)."""
+    def closure_with_gradient(model, value):
+        def closure():
+            loss = F.cross_entropy(model(X), Y)
+            loss.backward(torch.tensor(value))
+            return loss
+        return closure
+
+    model = mlp()
+    with pytest.raises(ValueError, match="the loss is 2 times a mean over 8 terms"):
+        FOOVB(model, "diagonal", 4).step(closure_with_gradient(model, 2.0))
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure_with_gradient(model, 1.0))
+    assert_same_posterior(opt, one_step(summed_ce))
+
+
+@pytest.mark.parametrize("call", [
+    lambda loss: torch.autograd.backward(loss),
+    lambda loss: torch.autograd.backward([loss]),
+    lambda loss: torch.autograd.backward(tensors=(loss,), grad_tensors=(None,)),
+    lambda loss: torch.autograd.backward(loss / 2, grad_tensors=torch.tensor(2.0)),
+    lambda loss: torch.autograd.backward((loss * 2,), [torch.tensor(0.5)]),
+    lambda loss: torch.autograd.backward([loss * 2], grad_tensors=(g for g in [torch.tensor(0.5)])),
+])
+def test_torch_autograd_backward_is_read_as_loss_backward(call):
+    """torch.autograd.backward hands the loss as a tuple and the gradients as grad_tensors=: it was skipped, and
+    the step refused (or, with batch_size=, took whatever factor the user guessed)."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        call(loss)
+        return loss
+
+    opt.step(closure)
+    assert_same_posterior(opt, one_step(summed_ce))
+
+
+def test_torch_autograd_backward_with_a_gradient_of_two_is_twice_the_mean():
+    model = mlp()
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        torch.autograd.backward(loss, grad_tensors=torch.tensor(2.0))
+        return loss
+
+    with pytest.raises(ValueError, match="the loss is 2 times a mean over 8 terms"):
+        FOOVB(model, "diagonal", 4).step(closure)
+
+
+@pytest.mark.parametrize("offset", [
+    lambda loss: loss + 1.0, lambda loss: 1.0 + loss, lambda loss: loss - torch.tensor(3.0),
+    lambda loss: loss + F.cross_entropy(torch.zeros(8, 3), Y)])  # a constant tensor: no gradient
+def test_a_mean_loss_plus_a_constant_is_the_mean(offset):
+    """A constant added to the loss has no gradient: the step is the mean's (it was refused as a mean plus
+    "something else")."""
+    assert_same_posterior(one_step(lambda out, y: offset(F.cross_entropy(out, y))), one_step(summed_ce))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_label_smoothing_on_a_batch_of_one_row_is_the_batchs_loss(reduction):
+    """It was refused on one row ("adds a mean over 1 terms to something else"): a data-parallel shard of one row
+    then failed on that process alone. On more rows the same loss is still read as before."""
+    def smoothed(red):
+        return lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction=red)
+
+    def one_row_step(loss_fn):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, seed=3)
+        opt.step(closure_of(model, loss_fn, X[:1], Y[:1]))
+        return opt
+
+    assert_same_posterior(one_row_step(smoothed(reduction)), one_row_step(smoothed("sum")))
+    assert_same_posterior(one_step(smoothed(reduction)), one_step(smoothed("sum")))
+
+
+def micro_batch_closure(model, sizes, reduce):
+    def closure():
+        start, total = 0, 0.0
+        for size in sizes:
+            out = model(X[start:start + size])
+            loss = F.cross_entropy(out, Y[start:start + size], reduction=reduce)
+            loss.backward()
+            total, start = total + float(loss.detach()), start + size
+        return torch.tensor(total)
+
+    return closure
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_micro_batches_inside_the_closure_are_scaled_each_or_refused(family):
+    """Gradient accumulation inside the closure: summed micro-batch losses, or means over equal micro-batches,
+    take the one-batch step; means over unequal ones (6 + 2 rows) are refused (one scale was applied to both)."""
+    reference = one_step(summed_ce, family)
+    for sizes, reduce in (((6, 2), "sum"), ((4, 4), "mean")):
+        model = mlp(seed=0)
+        opt = FOOVB(model, family, 4, seed=3)
+        opt.step(micro_batch_closure(model, sizes, reduce))
+        assert_same_posterior(opt, reference)
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=3)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match="backward\\(\\) 2 times on losses of different scales"):
+        opt.step(micro_batch_closure(model, (6, 2), "mean"))
+    assert all_equal(posterior_snapshot(opt), before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What cannot be read is refused, naming its fix
+# ---------------------------------------------------------------------------------------------------------
+def test_declared_reductions_that_contradict_the_loss_are_errors():
+    model = mlp()
+    with pytest.raises(ValueError, match="loss_reduction='sum' .* but it is a mean over 8 terms: use reduction='sum'"):
+        FOOVB(model, loss_reduction="sum").step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
+    # a mean plus a regulariser declared a sum (what the error of 1.0 suggested): refused, with the one right fix
+    with pytest.raises(ValueError, match=r"adds other terms to a mean over 8 terms .*: keep loss_reduction='auto' "
+                                         r"and call step\(closure, batch_size=8\)"):
+        FOOVB(model, loss_reduction="sum").step(
+            _closure(model, lambda m: F.cross_entropy(m(X), Y) + 1e-3 * m[0].weight.square().sum()))
+    with pytest.raises(ValueError, match="says the loss is a mean, but it is a sum"):
+        FOOVB(model, loss_reduction="mean").step(
+            _closure(model, lambda m: F.cross_entropy(m(X), Y, reduction="sum")), batch_size=8)
+    # a regularised mean with its batch size declared: the step of the regularised sum
+    snapshots = []
+    for reduction, batch_size in (("sum", None), ("mean", 8)):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, loss_reduction=reduction, seed=1)
+        scale = 1.0 if reduction == "sum" else 1.0 / 8
+        opt.step(_closure(model, lambda m, s=scale: s * (F.cross_entropy(m(X), Y, reduction="sum")
+                                                         + m[0].weight.square().sum())), batch_size=batch_size)
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_constant_times_a_mean_is_refused_with_both_readings_and_each_fix_works():
+    """loss / 2: is the 1/2 part of each example's loss, or does it scale the batch (the gradient-accumulation
+    recipe (loss / k).backward() per micro-batch)? Reading it either way was silently wrong for the other."""
+    model = mlp()
+    with pytest.raises(ValueError, match=r"0.5 times a mean over 8 terms.*The first: step\(closure, batch_size=8\); "
+                                         r"the second: step\(closure, batch_size=16\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) / 2))
+    # the accumulation recipe over 2 micro-batches of 4 rows, with the batch's size declared: the one-batch step
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+
+    def accumulate():
+        for rows in (slice(0, 4), slice(4, 8)):
+            (F.cross_entropy(model(X[rows]), Y[rows]) / 2).backward()
+        return torch.tensor(0.0)
+
+    opt.step(accumulate, batch_size=8)
+    assert_same_posterior(opt, one_step(summed_ce))
+    # 1/2 of each example's loss: batch_size=8 gives the step of the summed halved loss
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) / 2), batch_size=8)
+    assert_same_posterior(opt, one_step(lambda out, y: summed_ce(out, y) / 2, loss_reduction="sum"))
+
+
+def test_a_loss_multiplied_by_a_non_finite_constant_is_a_non_finite_loss():
+    """(not "nan times a mean: a Gaussian's 1/2 or the batch's scale?")"""
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    before = posterior_snapshot(opt)
+    with pytest.raises(FloatingPointError, match="non-finite values in the"):
+        opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * float("nan")))
+    assert all_equal(posterior_snapshot(opt), before)
+
+
+def test_gradients_filled_without_backward_are_refused_with_the_ways_to_say_the_reduction():
+    model = mlp()
+
+    def closure():
+        loss = F.cross_entropy(model(X), Y)
+        grads = torch.autograd.grad(loss, list(model.parameters()))  # gradients written by hand: not seen
+        for parameter, grad in zip(model.parameters(), grads, strict=True):
+            parameter.grad = grad
+        return loss
+
+    with pytest.raises(ValueError, match=r"without calling backward\(\) .* step\(closure, batch_size=8\)"):
+        FOOVB(model, "diagonal", 4).step(closure)
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(closure, batch_size=8)
+    assert_same_posterior(opt, one_step(summed_ce))
+
+
+def test_a_mean_over_a_stack_of_means_is_refused():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"a .mean\(\) over a stack of values"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: torch.stack(
+            [F.cross_entropy(out[:4], y[:4]), F.cross_entropy(out[4:], y[4:])]).mean()))
+
+
+def test_a_sum_over_a_stack_of_losses_is_refused_with_the_batch_size_fix():
+    """torch.stack([mean, regulariser]).sum() was taken as the batch's sum (updates 8x too small here)."""
+    model = mlp()
+    opt = FOOVB(model, "diagonal", 4)
+    before = posterior_snapshot(opt)
+    with pytest.raises(ValueError, match=r"step\(closure, batch_size=8\)"):
+        opt.step(closure_of(model, lambda out, y: torch.stack(
+            [F.cross_entropy(out, y), 1e-3 * model[0].weight.square().sum()]).sum()))
+    assert all_equal(posterior_snapshot(opt), before)
+    with pytest.raises(ValueError, match="a .sum\\(\\) over 4 leading rows, but the model's input has 8 rows"):
+        opt.step(closure_of(model, lambda out, y: F.cross_entropy(out, y, reduction="none")[:4].sum()))
+
+
+def test_a_regularised_mean_is_refused_and_its_fix_gives_the_regularised_sum():
+    """mean + regulariser: the error names step(closure, batch_size=8), whose step is that of the summed loss
+    plus 8 regularisers; loss_reduction='sum' (the error of 1.0 suggested it) is refused for it."""
+    def regularised_mean(out, y, model):
+        return F.cross_entropy(out, y) + 1e-2 * model[0].weight.square().sum()
+
+    model = mlp()
+    with pytest.raises(ValueError, match=r"adds a mean over 8 terms .* step\(closure, batch_size=8\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda o, y: regularised_mean(o, y, model)))
+    with pytest.raises(ValueError, match=r"loss_reduction='sum' .* batch_size=8"):
+        FOOVB(model, "diagonal", 4, loss_reduction="sum").step(
+            closure_of(model, lambda o, y: regularised_mean(o, y, model)))
+    fixed_model = mlp(seed=0)
+    fixed = FOOVB(fixed_model, "diagonal", 4, seed=3)
+    fixed.step(closure_of(fixed_model, lambda o, y: regularised_mean(o, y, fixed_model)), batch_size=8)
+    summed_model = mlp(seed=0)
+    summed = FOOVB(summed_model, "diagonal", 4, seed=3, loss_reduction="sum")
+    summed.step(closure_of(summed_model, lambda o, y: summed_ce(o, y) + 8e-2 * summed_model[0].weight.square().sum()))
+    assert_same_posterior(fixed, summed)
+
+
+def test_two_backward_calls_with_an_unreadable_loss_are_refused_naming_the_batch_rows():
+    """A cross-entropy mean and 0.01 x a mean over the (rows x outputs) activations, backward() on each: the advice
+    counted the activations as rows (batch_size=rows x outputs), and following it multiplied the cross-entropy's
+    gradients by the outputs too. The refusal names the batch's rows; following it trains."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 20), torch.randint(0, 2, (64,))
+
+    def train(batch_size: int | None) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+        opt = FOOVB(model, "diagonal", 4, seed=0)
+
+        def closure() -> torch.Tensor:
+            out = model(x)
+            cross_entropy = F.cross_entropy(out, y)
+            cross_entropy.backward(retain_graph=True)
+            penalty = 0.01 * out.square().mean()  # a mean over 64 x 8 activations
+            penalty.backward()
+            return cross_entropy + penalty
+
+        for _ in range(30):
+            opt.step(closure, batch_size=batch_size)
+        return float(torch.cat([p.detach().flatten() for p in model.parameters()]).norm())
+
+    with pytest.raises(ValueError, match=r"called backward\(\) 2 times, and loss 2 \(0.01 times a mean over 512 "
+                                         r"terms\).*step\(closure, batch_size=64\)$"):
+        train(None)
+    assert train(64) < 0.5 * train(512)  # the old advice's batch_size inflates the step 8-fold
+
+
+def test_step_batched_names_its_own_fix_for_a_regularised_loss():
+    model = mlp()
+    opt = FOOVB(model, "kronecker", 4)
+    with pytest.raises(ValueError, match=r"step_batched: loss_fn must return a mean over the 4 x 8 stacked rows") \
+            as error:
+        opt.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum())
+    assert "batch_size=32" not in str(error.value).split("What was read")[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loss spy's module hooks
+# ---------------------------------------------------------------------------------------------------------
+def test_the_loss_spys_module_hooks_live_only_as_long_as_an_optimizer():
+    """The global module hooks that read the batch's rows are registered once for all live optimizers (not per step:
+    torch.compile guards on them) and removed with the last one; the mean-loss scale is still read."""
+    import gc
+
+    from torch.nn.modules import module as torch_module
+
+    from foovb import reduction
+
+    def our_hooks():
+        return (sum(h is reduction._enter_module for h in torch_module._global_forward_pre_hooks.values())
+                + sum(h is reduction._leave_module for h in torch_module._global_forward_hooks.values()))
+
+    gc.collect()
+    held = reduction._HOOK_HOLDERS[0]  # optimizers of other tests that are still alive
+    model = nn.Linear(3, 2)
+    first, second = FOOVB(model, "diagonal", 2, seed=0), FOOVB(nn.Linear(3, 2), "diagonal", 2, seed=0)
+    assert reduction._HOOK_HOLDERS[0] == held + 2 and our_hooks() == 2
+    x, y = torch.randn(8, 3), torch.randint(2, (8,))
+
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    first.step(closure)
+    first.step(closure)
+    assert our_hooks() == 2 and first._pending is None
+    del first
+    gc.collect()
+    assert reduction._HOOK_HOLDERS[0] == held + 1 and our_hooks() == 2  # the second optimizer still holds them
+    del second
+    gc.collect()
+    assert reduction._HOOK_HOLDERS[0] == held and our_hooks() == (2 if held else 0)
