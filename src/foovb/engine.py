@@ -6,6 +6,7 @@ settings and calls these in that order."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -241,7 +242,7 @@ class Step:
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
 
-    @property
+    @functools.cached_property
     def linear_kronecker(self) -> list[PosteriorBlock]:
         """The trained matrix-variate nn.Linear blocks, whose statistics the closure path keeps low-rank."""
         return [block for block in self.blocks if isinstance(block, KroneckerBlock) and block.params[0].ndim == 2]
