@@ -25,15 +25,13 @@ from .sampled import SampledNetwork, augmented_input, check_batched_support
 
 __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
            "check_batched_step", "check_gradients", "check_same_parameters", "closure_of", "deferred_closure_sample",
-           "draw_noise", "loss_value",
-           "mix", "refuse_accumulated_gradients", "refuse_training_closure", "scale_statistics", "stacking_is_slower",
-           "trainable_blocks"]
+           "draw_noise", "mix", "refuse_accumulated_gradients", "refuse_training_closure", "scale_statistics",
+           "stacking_is_slower", "trainable_blocks"]
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
-# slower than one network at a time (docs/performance.md: diagonal K=10, 784-400-400-10 1.08x, 784-1000-1000-10
-# 1.37x), and so does any nn.Conv2d (K samples stacked are one grouped convolution: a step 1.2x slower on the vision
-# mix's LeNet, 1.5x on a small MNIST CNN, both families, at 1 thread; the predictions 1.3-2x). On a GPU stacking
-# wins at every width measured (a step there is bound by kernel launches).
+# slower than one network at a time (docs/performance.md: diagonal K=10, 784-1000-1000-10 1.37x), and so does any
+# nn.Conv2d (one grouped convolution: a step 1.2-1.5x slower on the LeNet and a small CNN, the predictions 1.3-2x).
+# On a GPU stacking wins at every width measured (a step there is bound by kernel launches).
 WIDE_LAYER = 2**17
 
 _MASK64 = (1 << 64) - 1
@@ -53,14 +51,12 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
                only: list[PosteriorBlock] | None = None) -> dict[PosteriorBlock, Tensor]:
     """eps for the given sample indices, (len(samples), *noise_shape) per block (of `only`; None: all).
 
-    The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths,
-    any chunking and any split of the samples across processes see the same draws. The noise is drawn on
-    the device of the block's mean where that device has a generator (a GPU): its draws differ from the CPU's
-    for the same seed, and between GPU models for large blocks (CUDA's generator sizes its launch by the
-    chip), so a run resumed on another kind of device continues with other, equally valid, noise. Devices
-    without a generator get the CPU's draws, copied. With `antithetic`,
-    sample 2j + 1 is the negative of sample 2j. (Drawing blocks in a thread pool made the training loop
-    slower: the pool's threads keep OpenMP workers spinning against the main thread's.)
+    The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths, any
+    chunking and any split of the samples across processes see the same draws. It is drawn on the device of the
+    block's mean where that device has a generator (a GPU; its draws differ from the CPU's, and between GPU models
+    for large blocks, so a run resumed on another kind of device continues with other, equally valid, noise);
+    others get the CPU's draws, copied. With `antithetic`, sample 2j + 1 is the negative of sample 2j. (A thread
+    pool for the blocks made the training loop slower: its OpenMP workers spin against the main thread's.)
     """
     noises = {}
     generators: dict[torch.device, torch.Generator] = {}
@@ -182,9 +178,8 @@ class Sample:
 
 
 class RunningStatistics:
-    """Batch-norm running statistics updated once per step: each sampled network's forward starts from the
-    statistics before the step, and the step leaves their average over the samples (the update the
-    averaged batch statistics give; K updates per step would forget K times faster)."""
+    """Batch-norm running statistics updated once per step: each sampled network's forward starts from the step's
+    statistics, and the step leaves their average over the samples (K updates would forget K times faster)."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
@@ -221,9 +216,8 @@ class RunningStatistics:
 
 @dataclass
 class Step:
-    """A step whose Monte Carlo samples are being evaluated: its noise seed, statistics and losses. Its methods are
-    Algorithm 1's loop body: `noise` (eps_k), `gradients` (g_k of the network the caller loaded, added to the
-    sums), `evaluate_stacked` (both, for a chunk of samples in one pass)."""
+    """A step being evaluated: its noise seed, statistics and losses; its methods are Algorithm 1's loop body: `noise`
+    (eps_k), `gradients` (g_k of the loaded network, added to the sums), `evaluate_stacked` (both, stacked)."""
 
     seed: int
     blocks: list[PosteriorBlock]  # those trained by this step (not frozen since construction)
@@ -241,6 +235,11 @@ class Step:
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
+
+    @functools.cached_property
+    def all_params(self) -> list[Tensor]:
+        """The parameters of every block (their gradients are cleared around each sample)."""
+        return [p for block in self.all_blocks for p in block.params]
 
     @functools.cached_property
     def linear_kronecker(self) -> list[PosteriorBlock]:
@@ -266,7 +265,7 @@ class Step:
         it is read from the loss that backward() is called on. `deferred`: matrix-variate nn.Linear samples the
         caller did not load, formed where the block uses them (`LinearCapture`); a use it cannot see raises
         `UnseenUse` (the caller redoes the sample with them loaded). Batch-norm statistics start from the step's."""
-        params = [p for block in self.all_blocks for p in block.params]
+        params = self.all_params
         for p in params:
             p.grad = None
         self.running.restore()
@@ -306,6 +305,16 @@ class Step:
                 capture.close()
             for p in params:
                 p.grad = None
+
+    def closure_sample(self, k: int, noises: dict[PosteriorBlock, Tensor], closure: Callable[[], Tensor],
+                       deferred: dict[PosteriorBlock, Tensor] | None = None) -> float:
+        """`gradients` with the closure as the block (it must return the loss tensor); returns the loss."""
+        with self.gradients(k, noises, reports_loss=True, deferred=deferred) as sample:
+            loss = closure()
+            if not isinstance(loss, Tensor):
+                raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+            sample.loss = float(loss.detach())
+        return sample.loss
 
     @staticmethod
     def _accumulate_captured(capture: LinearCapture, block: PosteriorBlock, pending: Step,
@@ -368,31 +377,22 @@ class Step:
             self.count += c
 
 
-def loss_value(loss: object) -> float:
-    """The closure's loss as a float (the closure must return the loss tensor)."""
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
-    return float(loss.detach())
-
-
 def deferred_closure_sample(pending: Step, k: int, noises: dict[PosteriorBlock, Tensor], closure: Callable[[], Tensor],
                             load: Callable[[dict[PosteriorBlock, Tensor], int], None]) -> bool:
     """One closure sample on step(closure)'s fast path (`capture.LinearCapture`): the same numbers as loading
     theta_k whole (`load`), but the matrix-variate nn.Linear samples are formed only where the closure uses them (the
     first layer's never: a factored forward). A use the capture cannot see (`UnseenUse`) redoes the sample with every
-    weight loaded. Returns whether to go on deferring: not once a redone sample was finite."""
+    weight loaded. Returns whether to go on deferring: not once a redone sample was finite (a non-finite loss either
+    way, e.g. from the data, is no sign)."""
     deferred = {block: noises[block] for block in pending.linear_kronecker}
     load({block: noise for block, noise in noises.items() if block not in deferred}, 0)
     try:
-        with pending.gradients(k, noises, reports_loss=True, deferred=deferred) as sample:
-            sample.loss = loss_value(closure())
+        pending.closure_sample(k, noises, closure, deferred)
         return True
     except UnseenUse:
         pass
     load(noises, 0)
-    with pending.gradients(k, noises, reports_loss=True) as sample:
-        sample.loss = loss_value(closure())
-    return not math.isfinite(sample.loss)  # a non-finite loss either way (e.g. from the data) is no sign
+    return not math.isfinite(pending.closure_sample(k, noises, closure))
 
 
 def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:

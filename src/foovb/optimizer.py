@@ -31,7 +31,6 @@ from .engine import (
     closure_of,
     deferred_closure_sample,
     draw_noise,
-    loss_value,
     mix,
     refuse_accumulated_gradients,
     refuse_training_closure,
@@ -246,8 +245,7 @@ class FOOVB(Persistence):
                     self._defer_linear_samples = deferred_closure_sample(pending, k, noises, closure, self.load_sample)
                 else:
                     self.load_sample(noises, 0)  # theta_k = mu + A eps_k
-                    with pending.gradients(k, noises, reports_loss=True) as sample:  # g_k, added to the sums
-                        sample.loss = loss_value(closure())
+                    pending.closure_sample(k, noises, closure)  # g_k = grad L_n(theta_k), added to the sums
         except BaseException:  # a failed sample abandons the step: the posterior is unchanged
             self._pending = None
             pending.running.restore()
