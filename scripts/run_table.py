@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step")
+SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor")
 
 
 def row(run: Path, settings: str | None) -> str:

@@ -516,3 +516,23 @@ def test_foovb_learner_observe_returns_the_mean_per_example_cross_entropy(batche
         x, y = 0.1 * torch.randn(batch_size, 4, generator=generator), torch.randint(0, 10, (batch_size,))
         loss = learner.observe(x, y)
         assert float(loss) == pytest.approx(math.log(10), abs=0.3)
+
+
+def test_the_foovb_learner_adds_the_output_anchor_only_when_asked():
+    """output_anchor=0 is the plain learner (same update); > 0 changes it, the same on the batched and sequential
+    paths; a negative strength is a ValueError."""
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 2), torch.randint(3, (16,))
+    finals = {}
+    for anchor, batched in ((None, True), (0.0, True), (5.0, True), (5.0, False)):
+        options = {} if anchor is None else {"output_anchor": anchor}
+        learner = make_learner("foovb", make_model(), posterior="diagonal", mc_samples=4, batched=batched, **options)
+        for _ in range(5):
+            learner.observe(x, y)
+        finals[anchor, batched] = parameters_of(learner)
+    assert all(torch.equal(a, b) for a, b in zip(finals[None, True], finals[0.0, True], strict=True))
+    assert not all(torch.allclose(a, b) for a, b in zip(finals[None, True], finals[5.0, True], strict=True))
+    for a, b in zip(finals[5.0, True], finals[5.0, False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="output_anchor"):
+        make_learner("foovb", make_model(), output_anchor=-1.0)

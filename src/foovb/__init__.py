@@ -2,8 +2,9 @@
 toolkit around it (paper: Zeno, Golan, Hoffer, Soudry, "Task-agnostic continual learning using online
 variational Bayes with fixed-point updates")."""
 
+from .anchor import output_anchor, output_reference
 from .linalg import solve_fixed_point
 from .optimizer import FOOVB
 
-__all__ = ["FOOVB", "solve_fixed_point"]
+__all__ = ["FOOVB", "output_anchor", "output_reference", "solve_fixed_point"]
 __version__ = "0.1.0"

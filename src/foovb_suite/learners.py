@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from foovb import FOOVB
+from foovb.anchor import output_anchor, output_reference
 from foovb.optimizer import PRESETS
 from foovb.predict import Predictions, predict
 from foovb.validation import is_boolean, is_integer
@@ -47,6 +48,8 @@ class FOOVBLearner:
         chunk_size: samples per batched pass (memory bound).
         num_heads, classes_per_head: multi-head (task-aware) models.
         seed: seed of the optimizer's noise and initialisation.
+        output_anchor: strength of `foovb.anchor.output_anchor` (weighted by how far each row is solved) added to
+            each batch's summed loss (0: none; an extension of the paper, docs/theory.md "The output anchor").
         **options: the optimizer's hyperparameters (std_init, alpha, mean_step, cov_step, antithetic,
             std_growth, cov_momentum, init, max_full_params): see `FOOVB`; those not given take the preset's value.
     """
@@ -56,19 +59,22 @@ class FOOVBLearner:
     def __init__(self, model: nn.Module, posterior: str = "auto", mc_samples: int = 10, *,
                  preset: str = "recommended", eval_samples: int = 10, batched: bool = True,
                  chunk_size: int | None = None, num_heads: int = 1, classes_per_head: int = 10, seed: int = 0,
-                 **options: Any):
+                 output_anchor: float = 0.0, **options: Any):
         if not is_integer(eval_samples) or eval_samples < 0:
             raise ValueError(f"eval_samples must be an integer >= 0, got {eval_samples!r}")
         if chunk_size is not None and (not is_integer(chunk_size) or chunk_size < 1):
             raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
         if not is_boolean(batched):
             raise ValueError(f"batched must be true or false, got {batched!r}")
+        if isinstance(output_anchor, bool) or not isinstance(output_anchor, (int, float)) or not output_anchor >= 0:
+            raise ValueError(f"output_anchor must be a number >= 0, got {output_anchor!r}")
         unknown = sorted(set(options) - set(OPTIMIZER_OPTIONS))
         if unknown:
             raise ValueError(f"unknown FOO-VB hyperparameter(s) {', '.join(map(repr, unknown))}; known: "
                              f"posterior, mc_samples, preset, {', '.join(OPTIMIZER_OPTIONS)}, eval_samples, "
-                             "batched, chunk_size")
+                             "batched, chunk_size, output_anchor")
         self.model = model
+        self.output_anchor = float(output_anchor)
         self.optimizer = FOOVB(model, posterior, mc_samples, preset=preset, loss_reduction="sum", seed=seed,
                                **options)
         self.eval_samples = eval_samples
@@ -84,13 +90,19 @@ class FOOVBLearner:
             return head_logits(logits, task, self.num_heads, self.classes_per_head)
 
         self.model.train()
+        reference = output_reference(self.optimizer, x) if self.output_anchor else None
+
+        def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+            loss = F.cross_entropy(head(out), target, reduction="sum")
+            if reference is None:
+                return loss
+            return loss + output_anchor(head(out), head(reference), self.output_anchor, reduction="sum", targets=y)
+
         if self.batched:
-            loss = self.optimizer.step_batched(
-                x, y, lambda out, target: F.cross_entropy(head(out), target, reduction="sum"),
-                chunk_size=self.chunk_size)
+            loss = self.optimizer.step_batched(x, y, loss_fn, chunk_size=self.chunk_size)
         else:
             def closure() -> Tensor:
-                loss = F.cross_entropy(head(self.model(x)), y, reduction="sum")
+                loss = loss_fn(self.model(x), y)
                 loss.backward()
                 return loss
 
