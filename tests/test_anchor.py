@@ -92,8 +92,8 @@ def test_mean_and_sum_reductions_and_the_batched_path_give_the_same_step(posteri
 
 
 def test_the_anchor_keeps_contracting_the_covariance_on_a_solved_task():
-    """After a separable task is learned, the cross-entropy's curvature has vanished: its steps leave the first layer's
-    std nearly where it is, while the anchored steps shrink it (the mechanism of docs/theory.md, "The output anchor")."""
+    """After a separable task is learned, the cross-entropy's curvature has vanished: its steps leave the first
+    layer's std nearly where it is, while the anchored steps shrink it (docs/theory.md, "The output anchor")."""
     gen = make_generator(4)
     x = torch.randn(64, 5, generator=gen)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
