@@ -35,7 +35,8 @@ __all__ = ["output_anchor", "output_reference", "solved_fraction"]
 def output_reference(optimizer: FOOVB, *inputs: Tensor) -> Tensor:
     """f(mu, inputs): the model's output at the posterior mean, detached, computed before `optimizer.step` (the
     model holds the mean between steps). Buffers that the forward updates (BatchNorm's running statistics) are put
-    back, so the extra forward leaves the model as it was."""
+    back, so the extra forward leaves the model as it was. It runs in the model's current mode: dropout draws its
+    own mask here, and the anchor then also penalises the difference between two masks' outputs."""
     if optimizer._pending is not None or optimizer._progress.sample_loaded:
         raise RuntimeError("output_reference needs the posterior mean in the model: call it before optimizer.step "
                            "(or step_batched), not inside the closure, where the model holds a sample")
