@@ -85,7 +85,8 @@ class FOOVBLearner:
         self.name = f"foovb-{posterior}"
 
     def observe(self, x: Tensor, y: Tensor, task: int | None = None) -> float:
-        """One FOO-VB step; returns the mean (per example) cross-entropy averaged over the MC samples."""
+        """One FOO-VB step; returns the mean (per example) loss averaged over the MC samples: the cross-entropy, plus
+        the output anchor where it is set."""
         def head(logits: Tensor) -> Tensor:
             return head_logits(logits, task, self.num_heads, self.classes_per_head)
 
