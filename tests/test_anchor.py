@@ -3,6 +3,7 @@ model it is exactly a Gaussian likelihood whose observation is the mean's output
 mean and adds strength X^T X to the precision; its reductions and the batched path give the same step; on a solved
 task it keeps contracting the covariance where the cross-entropy has stopped."""
 
+import contextlib
 import copy
 import math
 
@@ -12,10 +13,20 @@ import torch.nn.functional as F
 from conftest import PAPER, make_generator
 from torch import nn
 
-from foovb import FOOVB
+from foovb import FOOVB, sampled
 from foovb.anchor import output_anchor, output_reference, solved_fraction
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@contextlib.contextmanager
+def _stacked(samples):
+    """As inside step_batched's pass of `samples` stacked samples (`sampled.stacked_samples`)."""
+    token = sampled._STACKED.set(samples)
+    try:
+        yield
+    finally:
+        sampled._STACKED.reset(token)
 
 F64 = torch.float64
 
@@ -56,14 +67,14 @@ def _classifier(seed=0):
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _anchored_step(model, opt, x, y, reduction, strength=2.0, batched=False):
+def _anchored_step(model, opt, x, y, reduction, strength=2.0, batched=False, chunk_size=None):
     reference = output_reference(opt, x)
 
     def loss_fn(out, target):
         return F.cross_entropy(out, target, reduction=reduction) + output_anchor(out, reference, strength, reduction)
 
     if batched:
-        return opt.step_batched(x, y, loss_fn)
+        return opt.step_batched(x, y, loss_fn, chunk_size=chunk_size)
 
     def closure():
         opt.zero_grad()
@@ -76,14 +87,16 @@ def _anchored_step(model, opt, x, y, reduction, strength=2.0, batched=False):
 
 @pytest.mark.parametrize("posterior", ["diagonal", "kronecker"])
 def test_mean_and_sum_reductions_and_the_batched_path_give_the_same_step(posterior):
+    """Also with the K samples stacked two at a time (chunk_size=2)."""
     gen = make_generator(1)
     x, y = torch.randn(12, 5, generator=gen), torch.randint(3, (12,), generator=gen)
     finals = []
-    for reduction, batched in (("sum", False), ("mean", False), ("sum", True), ("mean", True)):
+    for reduction, batched, chunk in (("sum", False, None), ("mean", False, None), ("sum", True, None),
+                                      ("mean", True, None), ("mean", True, 2)):
         model = _classifier()
         opt = FOOVB(model, posterior, 4, seed=2)
         for _ in range(3):
-            _anchored_step(model, opt, x, y, reduction, batched=batched)
+            _anchored_step(model, opt, x, y, reduction, batched=batched, chunk_size=chunk)
         finals.append([(opt.posterior(p).mean, opt.posterior(p).std) for p in model.parameters()])
     for other in finals[1:]:
         for (mean, std), (mean_other, std_other) in zip(finals[0], other, strict=True):
@@ -147,9 +160,20 @@ def test_output_anchor_names_a_bad_argument():
         output_anchor(torch.zeros(4, 3), reference, -1.0)
     with pytest.raises(ValueError, match="reduction"):
         output_anchor(torch.zeros(4, 3), reference, 1.0, "none")
+    with pytest.raises(ValueError, match="strength"):
+        output_anchor(torch.zeros(4, 3), reference, math.inf)
+    with pytest.raises(TypeError, match="tensors"):
+        output_anchor((torch.zeros(4, 3),), reference, 1.0)
     with pytest.raises(ValueError, match="do not match the reference"):
         output_anchor(torch.zeros(6, 3), reference, 1.0)
-    stacked = output_anchor(torch.ones(8, 3), reference, 2.0, "sum")  # two stacked samples of the 4 rows
+    with pytest.raises(ValueError, match="another batch"):  # 8 rows are two samples of 4 only in step_batched
+        output_anchor(torch.zeros(8, 3), reference, 1.0)
+    with pytest.raises(ValueError, match="repeated ones"):
+        output_anchor(torch.zeros(4, 3), reference, 1.0, targets=torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match="ignore_index"):
+        output_anchor(torch.zeros(4, 3), reference, 1.0, targets=torch.tensor([0, 1, -100, 2]))
+    with _stacked(2):
+        stacked = output_anchor(torch.ones(8, 3), reference, 2.0, "sum")  # two stacked samples of the 4 rows
     assert float(stacked) == pytest.approx(0.5 * 2.0 * 8 * 3)
     assert float(output_anchor(torch.ones(4), torch.zeros(4), 2.0)) == pytest.approx(1.0)  # 1-D outputs: one per row
 
@@ -171,5 +195,6 @@ def test_a_weighted_anchor_leaves_an_untrained_network_free_and_repeats_its_weig
     anchor.backward()
     assert outputs.grad[0].abs().sum() == 0 and outputs.grad[2].abs().sum() == 0  # chance and wrong: no anchor
     assert float(anchor.detach()) == pytest.approx(0.5 * 2.0 * float(solved_fraction(reference, targets)[1]) * 3)
-    stacked = output_anchor(torch.cat([outputs, outputs]).detach(), reference, 2.0, "sum", targets=targets)
+    with _stacked(2):
+        stacked = output_anchor(torch.cat([outputs, outputs]).detach(), reference, 2.0, "sum", targets=targets)
     assert float(stacked) == pytest.approx(2 * float(anchor.detach()))

@@ -23,10 +23,14 @@ target. Use::
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 from torch import Tensor
 
 from .optimizer import FOOVB
+from .sampled import stacked_samples
 
 __all__ = ["output_anchor", "output_reference", "solved_fraction"]
 
@@ -50,7 +54,8 @@ def output_reference(optimizer: FOOVB, *inputs: Tensor) -> Tensor:
     if not isinstance(outputs, Tensor):
         raise TypeError(f"output_reference: the model returned a {type(outputs).__name__}; the anchor needs one "
                         "output tensor (anchor the tensor you compute the loss from)")
-    return outputs.detach()
+    low_precision = outputs.dtype in (torch.float16, torch.bfloat16)  # made under autocast: not a rounded target
+    return outputs.detach().float() if low_precision else outputs.detach()
 
 
 def output_anchor(outputs: Tensor, reference: Tensor, strength: float, reduction: str = "mean",
@@ -61,15 +66,25 @@ def output_anchor(outputs: Tensor, reference: Tensor, strength: float, reduction
     them. w_row is 1, or with class-index `targets` (reference = logits of C classes) how far the mean has solved
     the row: max(0, (p_mu(target) - 1/C) / (1 - 1/C)), 0 at chance and 1 when certain and right, so that the anchor
     keeps what was learned and leaves an untrained network (and a row it gets wrong) free."""
-    if not isinstance(strength, (int, float)) or isinstance(strength, bool) or not strength >= 0:
-        raise ValueError(f"strength must be a number >= 0, got {strength!r}")
+    if not isinstance(strength, Real) or isinstance(strength, bool) or not 0 <= strength < math.inf:
+        raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
+    if not isinstance(outputs, Tensor) or not isinstance(reference, Tensor):
+        raise TypeError(f"outputs and reference must be tensors, got {type(outputs).__name__} and "
+                        f"{type(reference).__name__}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum' (that of the loss the anchor is added to), got "
                          f"{reduction!r}")
     rows = reference.shape[0] if reference.ndim else 0
-    if outputs.shape[1:] != reference.shape[1:] or rows == 0 or outputs.shape[0] % rows:
-        raise ValueError(f"outputs {tuple(outputs.shape)} do not match the reference {tuple(reference.shape)}: "
-                         "compute the reference with output_reference on the same inputs as the loss")
+    samples = stacked_samples() or 1  # step_batched stacks c samples of the batch's rows
+    if outputs.shape[1:] != reference.shape[1:] or outputs.shape[0] != rows * samples:
+        stacked = f" ({samples} stacked samples of its rows)" if samples > 1 else ""
+        raise ValueError(f"outputs {tuple(outputs.shape)} do not match the reference {tuple(reference.shape)}"
+                         f"{stacked}: compute the reference with output_reference on this batch's inputs (not a "
+                         "reference kept from another batch)")
+    if targets is not None and targets.shape[:1] != (rows,):
+        raise ValueError(f"targets must hold one class index per row of the batch ({rows}), got "
+                         f"{tuple(targets.shape)}: in step_batched's loss_fn pass the batch's own targets, not the "
+                         "repeated ones loss_fn receives")
     weights = None if targets is None else solved_fraction(reference, targets)
     if outputs.shape[0] != rows:
         weights = None if weights is None else weights.repeat(outputs.shape[0] // rows)
@@ -89,6 +104,9 @@ def solved_fraction(logits: Tensor, targets: Tensor) -> Tensor:
         raise ValueError(f"targets must be class indices, one per row of (rows, classes) logits; got logits "
                          f"{tuple(logits.shape)} and targets {tuple(targets.shape)} of {targets.dtype}")
     classes = logits.shape[1]
+    if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < classes:
+        raise ValueError(f"targets must be class indices in [0, {classes}), got values from {int(targets.min())} "
+                         f"to {int(targets.max())} (an ignore_index has no solved fraction: drop those rows)")
     chance = 1.0 / classes
     probability = logits.detach().softmax(1).gather(1, targets[:, None].long()).squeeze(1)
     return ((probability - chance) / (1.0 - chance)).clamp_min(0.0)

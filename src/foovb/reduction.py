@@ -239,7 +239,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             f"the loss adds a mean over {mean_inside:g} terms to something else ({kind}: e.g. a regulariser), so "
             f"how it relates to the batch's summed negative log-likelihood cannot be read from it: call "
             f"step(closure, batch_size={n or 'n'}) to say it is a mean over the batch (everything is multiplied "
-            "by the batch size)")
+            "by the batch size: a term that is already a sum over the batch, such as output_anchor(..., "
+            "reduction='sum'), would be counted that many times; give it the loss's reduction instead)")
     if kind == _NO_BACKWARD:
         raise ValueError(
             "the closure filled the gradients without calling backward() on a loss (gradients computed by "

@@ -22,6 +22,7 @@ parallel samples. This module is the parallel one. While `SampledNetwork` is act
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,15 @@ from torch import Tensor, nn
 
 from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
 
-__all__ = ["SampledNetwork", "augmented_input", "check_batched_support"]
+__all__ = ["SampledNetwork", "augmented_input", "check_batched_support", "stacked_samples"]
 
 SUPPORTED = (nn.Linear, nn.Conv2d)
+_STACKED = ContextVar("stacked_samples", default=0)
+
+
+def stacked_samples() -> int:
+    """The number of samples stacked in the batched pass running now (`SampledNetwork` active), else 0."""
+    return _STACKED.get()
 
 
 def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | None = None) -> None:
@@ -234,15 +241,18 @@ class SampledNetwork:
     def __init__(self, modules: dict[nn.Module, list[PosteriorBlock]], noises: dict[PosteriorBlock, Tensor],
                  c: int, r: int, track_grad: bool):
         calls: list[nn.Module] = []
+        self.samples, self.token = c, None
         self.layers = [_Layer(module, blocks, [noises[b] for b in blocks], c, r, track_grad, calls)
                        for module, blocks in modules.items()]
 
     def __enter__(self) -> SampledNetwork:
         for layer in self.layers:
             layer.module.forward = layer.forward
+        self.token = _STACKED.set(self.samples)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _STACKED.reset(self.token)
         for layer in self.layers:
             del layer.module.forward  # back to the class's forward
 
