@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PAPER, make_generator
+from conftest import F64, PAPER, ce_closure, make_generator
 from torch import nn
 
 from foovb import FOOVB, sampled
@@ -27,8 +27,6 @@ def _stacked(samples):
         yield
     finally:
         sampled._STACKED.reset(token)
-
-F64 = torch.float64
 
 
 def test_on_a_linear_model_the_anchor_is_exact_bayes_with_the_means_output_observed():
@@ -113,7 +111,7 @@ def test_the_anchor_keeps_contracting_the_covariance_on_a_solved_task():
     model = _classifier()
     opt = FOOVB(model, "diagonal", 8, seed=0)
     for _ in range(300):
-        opt.step(lambda: _cross_entropy(model, opt, x, y))
+        opt.step(ce_closure(model, x, y, reduction="mean"))
     assert (model(x).argmax(1) == y).float().mean() > 0.97
     state = copy.deepcopy(opt.state_dict())
     first = model[0].weight
@@ -128,13 +126,6 @@ def test_the_anchor_keeps_contracting_the_covariance_on_a_solved_task():
     plain, anchored = std_after(0.0), std_after(2.0)
     assert plain > 0.95  # measured 0.98: the solved task's cross-entropy barely contracts
     assert 1 - anchored > 5 * (1 - plain)  # measured 0.59: the anchor contracts twenty times as much
-
-
-def _cross_entropy(model, opt, x, y):
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    return loss
 
 
 def test_output_reference_leaves_the_model_as_it_was_and_refuses_a_loaded_sample():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    F64,
     FAMILIES,
     PAPER,
     all_equal,
@@ -25,8 +26,6 @@ from torch import nn
 from foovb import FOOVB
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-F64 = torch.float64
 
 
 @pytest.mark.parametrize(("family", "options"), [(f, {}) for f in FAMILIES] + [("diagonal", {"cov_momentum": 0.9})])
