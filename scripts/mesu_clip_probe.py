@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from foovb.linalg import root_scale
-from foovb.posteriors import DiagonalBlock, signed_root_scale
+from foovb.linalg import root_scale, signed_root_scale
+from foovb.posteriors import DiagonalBlock
 from foovb_suite.cli import main
 
 clip = float(sys.argv[1])

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from closure_path import bare_diagonal_loop  # noqa: E402
 from step_time import mlp, step_and_update_ms  # noqa: E402
 
 from foovb import FOOVB  # noqa: E402
@@ -28,3 +29,18 @@ def test_step_and_update_ms_times_a_step_and_replays_its_update():
 
     step_ms, update_ms = step_and_update_ms(opt, step, repeats=2, warmup=1)
     assert step_ms > 0 and update_ms > 0 and len(steps) == 3
+
+
+def test_the_bare_loop_evaluates_k_sampled_networks_and_restores_the_mean():
+    """closure_floor.py's floor: K forward/backward passes at mean + std eps, then the (trivially updated) mean in
+    the parameters again."""
+    torch.manual_seed(0)
+    model = mlp((6, 5, 3))
+    x, y = torch.randn(8, 6), torch.randint(3, (8,))
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(
+        max(float((p.detach() - b).abs().max()) for p, b in zip(module.parameters(), before, strict=True))))
+    bare_diagonal_loop(x, y, 4, model)()
+    assert len(calls) == 4 and min(calls) > 0.01  # each pass saw a sampled network (std 0.047)
+    assert all(torch.allclose(p, b, atol=1e-6) for p, b in zip(model.parameters(), before, strict=True))

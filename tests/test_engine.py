@@ -51,6 +51,29 @@ def test_antithetic_noise_pairs_are_negatives_and_rows_are_independent():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_sequential_samples_reuse_the_noise_tensors_only_where_no_statistic_keeps_them(family):
+    """A sequential step draws each sample's eps into the previous sample's tensors (and negates an antithetic
+    pair's second half in place) for the diagonal family, whose sums keep no reference to the noise; the full
+    family's low-rank sum keeps eps_k as a factor, so its noise is drawn anew and an earlier draw stays intact.
+    Either way the draws are the documented ones (`draw_noise`)."""
+    opt = FOOVB(mlp(), family, 4, antithetic=True, seed=0, **PAPER)
+    pending = opt._start_step(None)
+    expected = opt.draw_noise(pending.seed, range(4), antithetic=True, blocks=pending.blocks)
+    drawn, values = [], []  # each sample's noise, and its values when it was drawn
+    for k in range(4):
+        drawn.append(pending.noise(k))
+        values.append({block: noise.clone() for block, noise in drawn[-1].items()})
+    opt._pending = None
+    for block in pending.blocks:
+        reused = all(sample[block] is drawn[0][block] for sample in drawn)
+        assert reused == (family == "diagonal")
+        assert reused or all(torch.equal(sample[block][0], expected[block][k]) for k, sample in enumerate(drawn))
+    for k in range(4):
+        for block in pending.blocks:
+            assert torch.equal(values[k][block][0], expected[block][k])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_float64_model_draws_float64_noise_from_the_documented_streams(family):
     """eps of sample k of block b (FOOVB.draw_noise) is torch.randn(noise_shape) in the posterior's dtype from a
     generator seeded with _mix(seed, b, k): a float64 model gets float64 draws, not float32 ones widened."""

@@ -8,8 +8,14 @@ from conftest import make_generator, random_spd, random_sqrt
 from torch import Tensor
 
 import foovb.linalg as linalg_module
-from foovb.linalg import LowRank, left_singular_pairs, root_scale, solve_fixed_point, sqrt_covariance_update
-from foovb.posteriors import signed_root_scale
+from foovb.linalg import (
+    LowRank,
+    left_singular_pairs,
+    root_scale,
+    signed_root_scale,
+    solve_fixed_point,
+    sqrt_covariance_update,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

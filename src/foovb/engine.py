@@ -24,9 +24,8 @@ from .reduction import LossSpy, loss_reduction_of, loss_scale, reads_a_mean
 from .sampled import SampledNetwork, augmented_input, check_batched_support
 
 __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
-           "check_batched_step", "check_gradients", "check_same_parameters", "closure_of", "deferred_closure_sample",
-           "draw_noise", "mix", "refuse_accumulated_gradients", "refuse_training_closure", "scale_statistics",
-           "stacking_is_slower", "trainable_blocks"]
+           "check_batched_step", "check_gradients", "closure_of", "deferred_closure_sample", "draw_noise", "mix",
+           "scale_statistics", "stacking_is_slower"]
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
 # slower than one network at a time (docs/performance.md: diagonal K=10, 784-1000-1000-10 1.37x), and so does any
@@ -48,8 +47,10 @@ def mix(*values: int) -> int:
 
 
 def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antithetic: bool = False,
-               only: list[PosteriorBlock] | None = None) -> dict[PosteriorBlock, Tensor]:
-    """eps for the given sample indices, (len(samples), *noise_shape) per block (of `only`; None: all).
+               only: list[PosteriorBlock] | None = None,
+               into: dict[PosteriorBlock, Tensor] | None = None) -> dict[PosteriorBlock, Tensor]:
+    """eps for the given sample indices, (len(samples), *noise_shape) per block (of `only`; None: all), drawn
+    into the tensors of `into` where it has one of that shape on the drawing device (else into new ones).
 
     The noise of sample k of block b is a pure function of (seed, b, k): the sequential and batched paths, any
     chunking and any split of the samples across processes see the same draws. It is drawn on the device of the
@@ -70,7 +71,9 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
             except RuntimeError:  # no generator on this device (e.g. meta): draw on the CPU and copy
                 generators[ref.device] = torch.Generator()
         generator = generators[ref.device]
-        out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=generator.device)
+        out = (into or {}).get(block)
+        if out is None or out.shape != (len(samples), *block.noise_shape) or out.device != generator.device:
+            out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=generator.device)
         for row, k in enumerate(samples):
             if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
                 torch.neg(out[row - 1], out=out[row])
@@ -91,67 +94,6 @@ def check_gradients(blocks: list[PosteriorBlock]) -> None:
                            "(and the loss must depend on the parameters)")
     if any(g.is_sparse for g in grads):
         raise ValueError("sparse gradients are not supported (e.g. nn.Embedding(sparse=True)); use dense ones")
-
-def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
-    """A step evaluates the batch's gradients at its own sampled networks: gradients already present (a
-    backward() outside the step, e.g. gradient accumulation) would be lost, so they are an error."""
-    grads = [p.grad for block in blocks for p in block.params if p.grad is not None]
-    if grads and any(bool(g.any()) for g in grads):
-        raise RuntimeError(
-            "gradients were already computed when step() was called (gradient accumulation, e.g. Lightning's "
-            "accumulate_grad_batches > 1, or a backward() outside the closure): FOO-VB evaluates each "
-            "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
-            "used. Use one batch per step (a larger batch instead of accumulation), and call "
-            "optimizer.zero_grad() before the first step if the model still holds gradients")
-
-
-def refuse_training_closure(closure: Callable[[], Tensor], blocks: list[PosteriorBlock]) -> None:
-    """step(closure) after the sampled_params(train=True) blocks of a step: the closure (Lightning's manual
-    optimization passes one that runs its hooks) is called once and must not train."""
-    params = [p for block in blocks for p in block.params]
-    if closure() is not None or any(p.grad is not None for p in params):
-        for p in params:
-            p.grad = None
-        raise RuntimeError("step(closure) after sampled_params(train=True) blocks: the closure trained (it returned a "
-                           "loss or left gradients), and its samples cannot join those of the blocks; call step() "
-                           "without a closure to apply the blocks' update")
-
-
-def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock], training: bool = True) -> None:
-    """The model still holds the parameter tensors the optimizer was built on (not replaced by
-    load_state_dict(assign=True), a new module, or a cast that makes new parameters); `training`: and no
-    parameter trains that the optimizer has no posterior for."""
-    held = {id(p) for p in model.parameters()}
-    covered = {id(p) for block in blocks for p in block.params}
-    if not covered <= held:
-        raise ValueError("the model's parameters were replaced after the optimizer was built (a new module, "
-                         "load_state_dict(assign=True), a cast with overwritten parameters): the optimizer would "
-                         f"{'train' if training else 'sample'} the old ones; build a new FOOVB on the model as it "
-                         "is now (its state_dict loads into the new one if the shapes are the same)")
-    if training and any(p.requires_grad and id(p) not in covered for p in model.parameters()):
-        raise ValueError("a parameter that was frozen (requires_grad=False) when the optimizer was built, or added "
-                         "to the model since, requires gradients now: FOOVB keeps a posterior only for the "
-                         "parameters trainable at construction. Build FOOVB with every parameter you will train "
-                         "trainable and freeze layers after building (a frozen layer is left out of the step), or "
-                         "freeze that parameter again")
-
-
-def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
-    """The blocks whose parameters require gradients now. A block frozen after construction
-    (requires_grad_(False)) is left out of the step: its weights stay at its posterior mean, unsampled,
-    and its posterior is unchanged until it is unfrozen."""
-    trainable_now = []
-    for block in blocks:
-        trainable = {p.requires_grad for p in block.params}
-        if len(trainable) > 1:
-            raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its "
-                             "weight and bias together: freeze or unfreeze both (one of them was changed with "
-                             "requires_grad_ after the optimizer was built)")
-        if trainable == {True}:
-            trainable_now.append(block)
-    if not trainable_now:
-        raise ValueError("every parameter is frozen (requires_grad=False): a step has nothing to train")
-    return trainable_now
 
 
 class StatisticsReducer(Protocol):
@@ -190,15 +132,23 @@ class RunningStatistics:
         self.sums = [(torch.zeros_like(mean), torch.zeros_like(var)) for mean, var, _ in self.before]
         self.count = 0
 
-    @torch.no_grad()
     def restore(self) -> None:
+        if self.modules:  # (most models have none: no no_grad context per sample then)
+            self._restore()
+
+    @torch.no_grad()
+    def _restore(self) -> None:
         for module, (mean, var, tracked) in zip(self.modules, self.before, strict=True):
             module.running_mean.copy_(mean)
             module.running_var.copy_(var)
             module.num_batches_tracked.copy_(tracked)
 
-    @torch.no_grad()
     def record(self) -> None:
+        if self.modules:
+            self._record()
+
+    @torch.no_grad()
+    def _record(self) -> None:
         for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
             mean_sum.add_(module.running_mean)
             var_sum.add_(module.running_var)
@@ -248,12 +198,14 @@ class Step:
 
     def noise(self, k: int) -> dict[PosteriorBlock, Tensor]:
         """eps_k of every trained block, (1, *noise_shape); an antithetic pair's second half is -eps of its first
-        (not redrawn)."""
+        (not redrawn). Blocks whose statistics keep no noise (`noise_reusable`) get it in the previous sample's
+        tensors (a sequential step's allocations: docs/performance.md)."""
+        reused = {block: noise for block, noise in self.noises.items() if block.noise_reusable}
         if self.antithetic and k % 2 and self.noise_of == k - 1:
-            noises = {block: noise.neg() for block, noise in self.noises.items()}
+            noises = {block: noise.neg_() if block in reused else noise.neg() for block, noise in self.noises.items()}
         else:
             noises = draw_noise(self.all_blocks, self.seed, range(k, k + 1), antithetic=self.antithetic,
-                                only=self.blocks)
+                                only=self.blocks, into=reused)
         self.noises, self.noise_of = noises, k
         return noises
 
@@ -294,8 +246,8 @@ class Step:
                 for block in self.blocks:
                     if capture is not None and self._accumulate_captured(capture, block, self, noises[block]):
                         continue
-                    grads = [torch.zeros_like(p)[None] if p.grad is None else p.grad[None] for p in block.params]
-                    block.accumulate(self.stats[block], noises[block], grads)
+                    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in block.params]
+                    block.accumulate_one(self.stats[block], noises[block][0], grads)
             self.count += 1
         except BaseException:
             self.running.restore()

@@ -40,12 +40,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LowRank", "left_singular_pairs", "solve_fixed_point", "sqrt_covariance_update", "root_scale"]
+__all__ = ["LowRank", "left_singular_pairs", "root_scale", "signed_root_scale", "solve_fixed_point",
+           "sqrt_covariance_update"]
 
 
 def root_scale(singular_values: Tensor) -> Tensor:
     """h(s) = sqrt(1 + s^2/4) - s/2, the positive root of h^2 + s h - 1 = 0 (written without cancellation)."""
     return singular_values.square().add_(4.0).sqrt_().add_(singular_values).reciprocal_().mul_(2.0)
+
+
+def signed_root_scale(x: Tensor) -> Tensor:
+    """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation and without branches (boolean masks cost
+    more than the arithmetic here): with h = x/2, q = sqrt(1 + h^2), p = max(h, 0), n = min(h, 0), the value
+    is (q - n) / (1 + p (q + p)): q - h for h < 0, and q / (1 + h q + h^2) = 1 / (q + h) for h >= 0."""
+    half = 0.5 * x
+    q = half.square().add_(1.0).sqrt_()
+    positive = half.clamp_min(0.0)
+    return (q - half.clamp_max_(0.0)).div_(torch.add(q, positive).mul_(positive).add_(1.0))
 
 
 def _check_finite(name: str, value: Tensor) -> None:

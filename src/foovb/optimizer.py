@@ -27,16 +27,12 @@ from .engine import (
     Step,
     apply_update,
     check_batched_step,
-    check_same_parameters,
     closure_of,
     deferred_closure_sample,
     draw_noise,
     mix,
-    refuse_accumulated_gradients,
-    refuse_training_closure,
     scale_statistics,
     stacking_is_slower,
-    trainable_blocks,
 )
 from .persistence import Persistence
 from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, drop_autocast_cache, full_precision
@@ -51,7 +47,13 @@ from .presets import (
 )
 from .priors import prior_blocks
 from .reduction import hold_module_hooks, loss_reduction_of
-from .validation import inspection_seed
+from .validation import (
+    check_same_parameters,
+    inspection_seed,
+    refuse_accumulated_gradients,
+    refuse_training_closure,
+    trainable_blocks,
+)
 
 __all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of", "mix"]
 

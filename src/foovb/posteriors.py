@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .linalg import LowRank, root_scale, sqrt_covariance_update
+from .linalg import LowRank, root_scale, signed_root_scale, sqrt_covariance_update
 
 __all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "PosteriorView", "FAMILIES",
            "full_precision", "drop_autocast_cache"]
@@ -80,16 +80,6 @@ def step_tempering(mean_step: float, cov_step: float) -> float:
     return max(1.0, IMPLICIT_STEP_BOUND * mean_step / cov_step) if cov_step > 0 else 1.0
 
 
-def signed_root_scale(x: Tensor) -> Tensor:
-    """sqrt(1 + x^2/4) - x/2 for x of any sign, without cancellation and without branches (boolean masks cost
-    more than the arithmetic here): with h = x/2, q = sqrt(1 + h^2), p = max(h, 0), n = min(h, 0), the value
-    is (q - n) / (1 + p (q + p)): q - h for h < 0, and q / (1 + h q + h^2) = 1 / (q + h) for h >= 0."""
-    half = 0.5 * x
-    q = half.square().add_(1.0).sqrt_()
-    positive = half.clamp_min(0.0)
-    return (q - half.clamp_max_(0.0)).div_(torch.add(q, positive).mul_(positive).add_(1.0))
-
-
 class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
@@ -98,6 +88,9 @@ class PosteriorBlock(ABC):
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
     statistic_powers: dict[str, int] = {}
+    # nothing keeps a sample's noise once its statistics are added (`accumulate` stores no reference to it): a
+    # sequential step draws the next sample's noise into the same tensors, and negates an antithetic pair's in place
+    noise_reusable = False
 
     def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None,
                  implicit_mean: bool = False):
@@ -142,6 +135,10 @@ class PosteriorBlock(ABC):
     @abstractmethod
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         """Add K samples' contributions; grads[i] is (K, *params[i].shape), the gradient of L_n at theta_k."""
+
+    def accumulate_one(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        """`accumulate` for one sample: noise in `noise_shape`, grads[i] in params[i]'s shape."""
+        self.accumulate(stats, noise[None], [grad[None] for grad in grads])
 
     @abstractmethod
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
@@ -188,6 +185,7 @@ class DiagonalBlock(PosteriorBlock):
 
     family = "diagonal"
     optional_state = ("grad_noise_average",)
+    noise_reusable = True
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
                  std_growth: str = "paper", cov_momentum: float = 0.0, implicit_mean: bool = False,
@@ -223,11 +221,15 @@ class DiagonalBlock(PosteriorBlock):
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         (grad,) = grads
         for k in range(len(grad)):  # in place: much faster than einsum (or a sum); indexing, cheaper than unbind
-            stats["grad_sum"].add_(grad[k])
-            stats["grad_noise_sum"].addcmul_(grad[k], noise[k])
-            if self.curvature_damping:
-                stats["grad_square_sum"].addcmul_(grad[k], grad[k])
-                stats["noise_sum"].add_(noise[k])
+            self.accumulate_one(stats, noise[k], [grad[k]])
+
+    def accumulate_one(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
+        (grad,) = grads
+        stats["grad_sum"].add_(grad)
+        stats["grad_noise_sum"].addcmul_(grad, noise)
+        if self.curvature_damping:
+            stats["grad_square_sum"].addcmul_(grad, grad)
+            stats["noise_sum"].add_(noise)
 
     def curvature_spread(self, stats: dict, num_samples: int) -> tuple[Tensor, Tensor]:
         """(sum_k (sigma eps_k) . (g_k - E[g]), sum_k (g_k - E[g])^2 elementwise) from the step's sums: on a quadratic

@@ -1,15 +1,21 @@
-"""Type checks shared by the argument validation of the optimizer, the learners and the baselines.
-
-numpy scalars count (np.float32 is a `numbers.Real`); booleans do not, although Python makes them integers.
-"""
+"""Type checks shared by the argument validation of the optimizer, the learners and the baselines (numpy scalars
+count: np.float32 is a `numbers.Real`; booleans do not, although Python makes them integers), and the checks of
+the model's state when a step starts (its parameters, their gradients, which of them train)."""
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor, nn
 
-__all__ = ["inspection_seed", "is_boolean", "is_integer", "is_real"]
+if TYPE_CHECKING:
+    from .posteriors import PosteriorBlock
+
+__all__ = ["check_same_parameters", "inspection_seed", "is_boolean", "is_integer", "is_real",
+           "refuse_accumulated_gradients", "refuse_training_closure", "trainable_blocks"]
 
 
 def is_real(value: object) -> bool:
@@ -33,3 +39,65 @@ def inspection_seed(seed: object) -> int:
     if not is_integer(seed):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
     return int(seed)
+
+
+def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
+    """A step evaluates the batch's gradients at its own sampled networks: gradients already present (a
+    backward() outside the step, e.g. gradient accumulation) would be lost, so they are an error."""
+    grads = [p.grad for block in blocks for p in block.params if p.grad is not None]
+    if grads and any(bool(g.any()) for g in grads):
+        raise RuntimeError(
+            "gradients were already computed when step() was called (gradient accumulation, e.g. Lightning's "
+            "accumulate_grad_batches > 1, or a backward() outside the closure): FOO-VB evaluates each "
+            "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
+            "used. Use one batch per step (a larger batch instead of accumulation), and call "
+            "optimizer.zero_grad() before the first step if the model still holds gradients")
+
+
+def refuse_training_closure(closure: Callable[[], Tensor], blocks: list[PosteriorBlock]) -> None:
+    """step(closure) after the sampled_params(train=True) blocks of a step: the closure (Lightning's manual
+    optimization passes one that runs its hooks) is called once and must not train."""
+    params = [p for block in blocks for p in block.params]
+    if closure() is not None or any(p.grad is not None for p in params):
+        for p in params:
+            p.grad = None
+        raise RuntimeError("step(closure) after sampled_params(train=True) blocks: the closure trained (it returned a "
+                           "loss or left gradients), and its samples cannot join those of the blocks; call step() "
+                           "without a closure to apply the blocks' update")
+
+
+def check_same_parameters(model: nn.Module, blocks: list[PosteriorBlock], training: bool = True) -> None:
+    """The model still holds the parameter tensors the optimizer was built on (not replaced by
+    load_state_dict(assign=True), a new module, or a cast that makes new parameters); `training`: and no
+    parameter trains that the optimizer has no posterior for."""
+    held = {id(p) for p in model.parameters()}
+    covered = {id(p) for block in blocks for p in block.params}
+    if not covered <= held:
+        raise ValueError("the model's parameters were replaced after the optimizer was built (a new module, "
+                         "load_state_dict(assign=True), a cast with overwritten parameters): the optimizer would "
+                         f"{'train' if training else 'sample'} the old ones; build a new FOOVB on the model as it "
+                         "is now (its state_dict loads into the new one if the shapes are the same)")
+    if training and any(p.requires_grad and id(p) not in covered for p in model.parameters()):
+        raise ValueError("a parameter that was frozen (requires_grad=False) when the optimizer was built, or added "
+                         "to the model since, requires gradients now: FOOVB keeps a posterior only for the "
+                         "parameters trainable at construction. Build FOOVB with every parameter you will train "
+                         "trainable and freeze layers after building (a frozen layer is left out of the step), or "
+                         "freeze that parameter again")
+
+
+def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
+    """The blocks whose parameters require gradients now. A block frozen after construction
+    (requires_grad_(False)) is left out of the step: its weights stay at its posterior mean, unsampled,
+    and its posterior is unchanged until it is unfrozen."""
+    trainable_now = []
+    for block in blocks:
+        trainable = {p.requires_grad for p in block.params}
+        if len(trainable) > 1:
+            raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its "
+                             "weight and bias together: freeze or unfreeze both (one of them was changed with "
+                             "requires_grad_ after the optimizer was built)")
+        if trainable == {True}:
+            trainable_now.append(block)
+    if not trainable_now:
+        raise ValueError("every parameter is frozen (requires_grad=False): a step has nothing to train")
+    return trainable_now
