@@ -4,7 +4,8 @@ torch release that changes it fails loudly, with the module to fix named:
 - foovb.reduction reads how a loss was reduced from autograd nodes' `_saved_*` attributes;
 - foovb.reduction (LossSpy) and foovb.capture (LinearCapture) intercept torch functions with TorchFunctionMode,
   Tensor.backward included;
-- foovb.capture fills deferred weights with NaN, so that a read it does not see poisons the loss.
+- foovb.capture fills deferred weights with NaN, so that a read it does not see poisons the loss;
+- foovb.engine checks a step's statistics and update for NaN / Inf through `torch._foreach_norm`.
 """
 
 from __future__ import annotations
@@ -57,3 +58,11 @@ def test_a_nan_weight_poisons_the_loss_that_reads_it():
     x, y = _leaf()
     weight = torch.full((3, 3), math.nan, requires_grad=True)
     assert torch.isnan(F.cross_entropy(x @ weight, y)), "foovb.capture: an unseen read would go unnoticed"
+
+
+def test_foreach_norm_gives_each_tensors_norm_and_propagates_non_finite_values():
+    """foovb.engine._norms: one norm per tensor, of mixed shapes and dtypes, NaN / Inf kept."""
+    tensors = [torch.tensor([3.0, 4.0]), torch.ones(2, 2, dtype=torch.float64), torch.tensor([1.0, math.inf])]
+    norms = torch._foreach_norm(tensors)
+    assert [float(n) for n in norms[:2]] == [5.0, 2.0] and math.isinf(float(norms[2]))
+    assert math.isnan(float(torch._foreach_norm([torch.tensor([math.nan, 1.0])])[0]))

@@ -86,13 +86,14 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
     return noises
 
 
-def check_gradients(blocks: list[PosteriorBlock]) -> None:
-    """After a closure: some parameter received a dense gradient (else the step would silently do nothing)."""
+def check_gradients(blocks: list[PosteriorBlock], layouts: bool = True) -> None:
+    """After a closure: some parameter received a gradient (else the step would silently do nothing); `layouts`:
+    and none is sparse (a step's first sample checks, the others run the same closure on the same parameters)."""
     grads = [p.grad for block in blocks for p in block.params if p.grad is not None]
     if not grads:
         raise RuntimeError("no parameter received a gradient: the closure must call loss.backward() "
                            "(and the loss must depend on the parameters)")
-    if any(g.is_sparse for g in grads):
+    if layouts and any(g.is_sparse for g in grads):
         raise ValueError("sparse gradients are not supported (e.g. nn.Embedding(sparse=True)); use dense ones")
 
 
@@ -230,7 +231,7 @@ class Step:
                 yield sample
             if deferred:
                 capture.check_seen(sample.loss, params)
-            check_gradients(self.all_blocks)
+            check_gradients(self.all_blocks, layouts=not self.count)
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 self.grad_scale = spy.scale(self.loss_reduction, self.batch_size)
                 self.loss_rows = self.grad_scale if spy.reads_a_mean(self.loss_reduction, self.batch_size) else 0.0
@@ -357,8 +358,9 @@ def scale_statistics(stats: dict[PosteriorBlock, dict], factor: float) -> None:
 
 
 def _norms(tensors: list[Tensor]) -> list[Tensor]:
-    """The norm of each tensor (NaN / Inf propagate: one synchronisation checks them all)."""
-    return [torch.linalg.vector_norm(t) for t in tensors]
+    """The norm of each tensor (NaN / Inf propagate: one synchronisation checks them all), in one foreach call
+    (what clip_grad_norm_ calls; tests/test_torch_internals.py)."""
+    return list(torch._foreach_norm(tensors))
 
 
 @torch.no_grad()

@@ -45,8 +45,10 @@ __all__ = ["LowRank", "left_singular_pairs", "root_scale", "signed_root_scale", 
 
 
 def root_scale(singular_values: Tensor) -> Tensor:
-    """h(s) = sqrt(1 + s^2/4) - s/2, the positive root of h^2 + s h - 1 = 0 (written without cancellation)."""
-    return singular_values.square().add_(4.0).sqrt_().add_(singular_values).reciprocal_().mul_(2.0)
+    """h(s) = sqrt(1 + s^2/4) - s/2, the positive root of h^2 + s h - 1 = 0, written without cancellation as
+    2 / (s + sqrt(4 + s^2)) (4 + s^2 in one pass: the diagonal update runs this on every weight)."""
+    four = singular_values.new_tensor(4.0)
+    return torch.addcmul(four, singular_values, singular_values).sqrt_().add_(singular_values).reciprocal_().mul_(2.0)
 
 
 def signed_root_scale(x: Tensor) -> Tensor:
