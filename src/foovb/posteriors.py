@@ -88,8 +88,7 @@ class PosteriorBlock(ABC):
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
     statistic_powers: dict[str, int] = {}
-    # nothing keeps a sample's noise once its statistics are added (`accumulate` stores no reference to it): a
-    # sequential step draws the next sample's noise into the same tensors, and negates an antithetic pair's in place
+    # `accumulate` keeps no reference to the noise: a sequential step may draw the next sample's into the same tensors
     noise_reusable = False
 
     def __init__(self, params: Sequence[nn.Parameter], state: dict, module: nn.Module | None = None,
