@@ -12,6 +12,11 @@ the first task was learned before the second began, and how much of it was kept.
 
 `--settings`: keyword arguments of FOOVB for the FOO-VB learners (for the matrix-variate family, `alpha` sets the
 prior variance of a kept model, 2 (1 - alpha) / (n_in + 2): alpha 0.8 is 0.4 times the default's).
+
+`--noise`: instead of training, how much the prior's sampled networks differ from the mean network on the stream's
+first batch of 128: the sum over rows of ||f(theta_k, x) - f(mu, x)||^2 over that of ||f(mu, x) - its batch mean||^2
+(the outputs' noise against their signal, averaged over 10 samples), and the cross-entropy of the mean and of the
+samples, for `FOOVB(model, settings)` on each row (the grid's model kinds may be rows too: `narrow`, `cnn`, ...).
 """
 
 from __future__ import annotations
@@ -29,13 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import robustness_grid as grid  # noqa: E402
 
+from foovb import FOOVB  # noqa: E402
+
 EXAMPLES, BATCH = 3072, 64
 
 
 def build(row: str, num_outputs: int) -> nn.Module:
-    """`lenet` (the grid's), or `mlp<depth>[-kaiming|-layernorm]`."""
-    if row == "lenet":
-        return grid.build_model("lenet", num_outputs)
+    """One of the grid's classifiers (`lenet`, `mlp`, `narrow`, `ln_mlp`, `cnn`, `bn_cnn`, `gru`), or
+    `mlp<depth>[-kaiming|-layernorm]`."""
+    if row in ("lenet", "mlp", "narrow", "ln_mlp", "cnn", "bn_cnn", "gru"):
+        return grid.build_model(row, num_outputs)
     name, _, variant = row.partition("-")
     if not name.startswith("mlp") or not name[3:].isdigit() or int(name[3:]) < 2:
         raise ValueError(f"unknown row {row!r}: lenet or mlp<depth >= 2>[-kaiming|-layernorm]")
@@ -78,6 +86,25 @@ def probe(row: str, learner: str, settings: dict, data_dir: str | None) -> list[
     return curve
 
 
+@torch.no_grad()
+def output_noise(row: str, settings: dict, data_dir: str | None, samples: int = 10) -> tuple[float, float, float]:
+    """(output noise / signal, the mean network's loss, the samples' mean loss) on the stream's first batch."""
+    stream = grid.make_stream("mlp", "fashion", 128, EXAMPLES, 0, data_dir)
+    x, y = next(iter(stream.batches()))
+    torch.manual_seed(0)
+    model = build(row, stream.num_outputs).eval()
+    optimizer = FOOVB(model, seed=0, **settings)
+    mean_out = model(x)
+    signal = (mean_out - mean_out.mean(0)).square().sum()
+    ratios, losses = [], []
+    for seed in range(samples):
+        with optimizer.sampled_params(seed=seed):
+            out = model(x)
+        ratios.append(float((out - mean_out).square().sum() / signal))
+        losses.append(float(F.cross_entropy(out, y)))
+    return sum(ratios) / samples, float(F.cross_entropy(mean_out, y)), sum(losses) / samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="lenet,mlp3,mlp4,mlp6,mlp6-kaiming,mlp6-layernorm")
@@ -85,10 +112,19 @@ def main() -> None:
     parser.add_argument("--settings", default="{}", help="FOOVB keyword arguments (JSON) for the FOO-VB learners")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--noise", action="store_true", help="the prior's output noise instead of training")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     settings = json.loads(args.settings)
     data_dir = args.data_dir or next((d for d in grid.FASHION_DIRS if Path(d).is_dir()), None)
+    if args.noise:
+        print(f"torch {torch.__version__}; FOOVB(model, **{settings}); the first batch of 128 of mlp/fashion\n")
+        print("| row | output noise / signal | mean network's loss | samples' loss |")
+        print("|---|---|---|---|")
+        for row in args.rows.split(","):
+            ratio, mean_loss, sample_loss = output_noise(row, settings, data_dir)
+            print(f"| {row} | {ratio:.1f} | {mean_loss:.3f} | {sample_loss:.3f} |", flush=True)
+        return
     print(f"torch {torch.__version__}; stream mlp/fashion/{BATCH} of the robustness grid, {EXAMPLES} examples per "
           f"task, seed 0; FOOVB settings {settings or 'the defaults'}; accuracy (%) on MNIST / Fashion-MNIST\n")
     steps = [EXAMPLES // BATCH // 2 * k for k in range(1, 5)]  # each half task
