@@ -91,6 +91,11 @@ grid.make_stream, grid.make_optimizer = make_stream, make_optimizer
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "--calibrate":
         sys.exit(__doc__)
-    os.environ[TARGET] = str(float(sys.argv[2]))
+    target = float(sys.argv[2])
+    tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv[:-1] else "default"
+    if f"calib{target:g}" not in tag:  # the target is not in the tag's candidate file: the tag must carry it
+        sys.exit(f"prior_calibration_probe.py: error: --tag must name the target (e.g. kron_calib{target:g}), "
+                 f"got {tag!r}")
+    os.environ[TARGET] = str(target)
     sys.argv[1:3] = []
     grid.main()
