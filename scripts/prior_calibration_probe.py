@@ -5,7 +5,9 @@ Before the first step, every FOO-VB learner's prior variance is scaled down by o
 until the sampled networks' outputs on the cell's first batch differ from the mean network's by at most `--calibrate`
 times the spread of the mean's outputs over that batch (`depth_probe.py --noise` measures the same ratio: 143 for the
 paper's MLP as torch initialises it, 1,188 for the LeNet); a prior already below it is left as it is. Everything
-else is `benchmarks/robustness_grid.py`, whose arguments follow `--calibrate` (give the runs their own `--tag`):
+else is `benchmarks/robustness_grid.py`, whose arguments follow `--calibrate` (give the runs their own `--tag`).
+`--keep-step` (right after the target) also divides the mean step eta by the variance's factor, so that the first
+steps' effective learning rate, about eta B sigma^2, is the uncalibrated prior's:
 
     python scripts/prior_calibration_probe.py --calibrate 150 --out runs/grid_calib --half tuning --seeds 0 \\
         --examples 3072 --tag kron_calib150 --learners foovb_kronecker --jobs 2
@@ -31,6 +33,7 @@ from foovb import FOOVB  # noqa: E402
 from foovb.posteriors import DiagonalBlock, FullBlock, KroneckerBlock  # noqa: E402
 
 TARGET = "FOOVB_PRIOR_CALIBRATION"  # the environment variable that carries --calibrate into the workers
+KEEP_STEP = "FOOVB_PRIOR_CALIBRATION_KEEP_STEP"  # and --keep-step
 _first_inputs: list[Tensor] = []
 _make_stream, _make_optimizer = grid.make_stream, grid.make_optimizer
 
@@ -82,7 +85,9 @@ def make_stream(*args: object, **kwargs: object) -> grid.Stream:
 def make_optimizer(learner: str, model: nn.Module, seed: int, candidate: dict) -> torch.optim.Optimizer:
     optimizer = _make_optimizer(learner, model, seed, candidate)
     if learner.startswith("foovb_") and os.environ.get(TARGET):
-        calibrate(optimizer, model, _first_inputs[0], float(os.environ[TARGET]))
+        _, _, factor = calibrate(optimizer, model, _first_inputs[0], float(os.environ[TARGET]))
+        if os.environ.get(KEEP_STEP):  # the mean step's eta divided by the variance's factor: eta sigma^2 as before
+            optimizer.param_groups[0]["lr"] /= factor
     return optimizer
 
 
@@ -92,10 +97,13 @@ if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "--calibrate":
         sys.exit(__doc__)
     target = float(sys.argv[2])
+    keep_step = len(sys.argv) > 3 and sys.argv[3] == "--keep-step"
     tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv[:-1] else "default"
-    if f"calib{target:g}" not in tag:  # the target is not in the tag's candidate file: the tag must carry it
-        sys.exit(f"prior_calibration_probe.py: error: --tag must name the target (e.g. kron_calib{target:g}), "
-                 f"got {tag!r}")
+    name = f"calib{target:g}" + ("_keepstep" if keep_step else "")
+    if name not in tag or (not keep_step and "keepstep" in tag):  # the tag must carry what its candidate file cannot
+        sys.exit(f"prior_calibration_probe.py: error: --tag must name the calibration (e.g. kron_{name}), got {tag!r}")
     os.environ[TARGET] = str(target)
-    sys.argv[1:3] = []
+    if keep_step:
+        os.environ[KEEP_STEP] = "1"
+    sys.argv[1 : 4 if keep_step else 3] = []
     grid.main()
