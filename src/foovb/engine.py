@@ -134,25 +134,21 @@ class RunningStatistics:
         self.count = 0
 
     def restore(self) -> None:
-        if self.modules:  # (most models have none: no no_grad context per sample then)
-            self._restore()
-
-    @torch.no_grad()
-    def _restore(self) -> None:
-        for module, (mean, var, tracked) in zip(self.modules, self.before, strict=True):
-            module.running_mean.copy_(mean)
-            module.running_var.copy_(var)
-            module.num_batches_tracked.copy_(tracked)
+        if not self.modules:  # (twice per sample: without batch norm, no no_grad contexts, 0.1 ms of a 10 ms step)
+            return
+        with torch.no_grad():
+            for module, (mean, var, tracked) in zip(self.modules, self.before, strict=True):
+                module.running_mean.copy_(mean)
+                module.running_var.copy_(var)
+                module.num_batches_tracked.copy_(tracked)
 
     def record(self) -> None:
-        if self.modules:
-            self._record()
-
-    @torch.no_grad()
-    def _record(self) -> None:
-        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
-            mean_sum.add_(module.running_mean)
-            var_sum.add_(module.running_var)
+        if not self.modules:
+            return
+        with torch.no_grad():
+            for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+                mean_sum.add_(module.running_mean)
+                var_sum.add_(module.running_var)
         self.count += 1
 
     @torch.no_grad()
