@@ -87,22 +87,33 @@ def probe(row: str, learner: str, settings: dict, data_dir: str | None) -> list[
 
 
 @torch.no_grad()
-def output_noise(row: str, settings: dict, data_dir: str | None, samples: int = 10) -> tuple[float, float, float]:
+def sampled_outputs(optimizer: FOOVB, model: nn.Module, x: torch.Tensor,
+                    samples: int = 10) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """f(mu, x) and f(theta_k, x) for `samples` draws of the posterior (seeds 0, 1, ...)."""
+    mean_out, outs = model(x), []
+    for seed in range(samples):
+        with optimizer.sampled_params(seed=seed):
+            outs.append(model(x))
+    return mean_out, outs
+
+
+def noise_ratio(mean_out: torch.Tensor, outs: list[torch.Tensor]) -> float:
+    """The samples' output noise against the signal: sum ||f(theta_k, x) - f(mu, x)||^2 over
+    sum ||f(mu, x) - its batch mean||^2, averaged over the samples."""
+    signal = (mean_out - mean_out.mean(0)).square().sum().clamp_min(1e-30)
+    return sum(float((out - mean_out).square().sum() / signal) for out in outs) / len(outs)
+
+
+@torch.no_grad()
+def output_noise(row: str, settings: dict, data_dir: str | None) -> tuple[float, float, float]:
     """(output noise / signal, the mean network's loss, the samples' mean loss) on the stream's first batch."""
     stream = grid.make_stream("mlp", "fashion", 128, EXAMPLES, 0, data_dir)
     x, y = next(iter(stream.batches()))
     torch.manual_seed(0)
     model = build(row, stream.num_outputs).eval()
-    optimizer = FOOVB(model, seed=0, **settings)
-    mean_out = model(x)
-    signal = (mean_out - mean_out.mean(0)).square().sum()
-    ratios, losses = [], []
-    for seed in range(samples):
-        with optimizer.sampled_params(seed=seed):
-            out = model(x)
-        ratios.append(float((out - mean_out).square().sum() / signal))
-        losses.append(float(F.cross_entropy(out, y)))
-    return sum(ratios) / samples, float(F.cross_entropy(mean_out, y)), sum(losses) / samples
+    mean_out, outs = sampled_outputs(FOOVB(model, seed=0, **settings), model, x)
+    sample_loss = sum(float(F.cross_entropy(out, y)) for out in outs) / len(outs)
+    return noise_ratio(mean_out, outs), float(F.cross_entropy(mean_out, y)), sample_loss
 
 
 def main() -> None:

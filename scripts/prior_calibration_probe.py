@@ -28,6 +28,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import robustness_grid as grid  # noqa: E402
+from depth_probe import noise_ratio, sampled_outputs  # noqa: E402
 
 from foovb import FOOVB  # noqa: E402
 from foovb.posteriors import DiagonalBlock, FullBlock, KroneckerBlock  # noqa: E402
@@ -39,24 +40,12 @@ _make_stream, _make_optimizer = grid.make_stream, grid.make_optimizer
 
 
 @torch.no_grad()
-def output_noise(optimizer: FOOVB, model: nn.Module, x: Tensor, samples: int = 10) -> float:
-    """sum ||f(theta_k, x) - f(mu, x)||^2 / sum ||f(mu, x) - its batch mean||^2, averaged over `samples` draws."""
-    mean_out = model(x)
-    signal = (mean_out - mean_out.mean(0)).square().sum().clamp_min(1e-30)
-    total = 0.0
-    for seed in range(samples):
-        with optimizer.sampled_params(seed=seed):
-            total += float((model(x) - mean_out).square().sum() / signal)
-    return total / samples
-
-
-@torch.no_grad()
 def calibrate(optimizer: FOOVB, model: nn.Module, x: Tensor, target: float) -> tuple[float, float, float]:
-    """Scale every block's prior variance down until `output_noise` is at most 1.1 `target` (at most 10 rounds);
-    returns (the noise before, after, the variance's factor)."""
+    """Scale every block's prior variance down until `depth_probe.noise_ratio` is at most 1.1 `target` (at most 10
+    rounds); returns (the noise before, after, the variance's factor)."""
     was_training = model.training
     model.eval()  # batch norm from its running statistics: the mean's and the samples' outputs comparable
-    before = noise = output_noise(optimizer, model, x)
+    before = noise = noise_ratio(*sampled_outputs(optimizer, model, x))
     factor = 1.0
     for _ in range(10):
         if noise <= 1.1 * target:
@@ -71,7 +60,7 @@ def calibrate(optimizer: FOOVB, model: nn.Module, x: Tensor, target: float) -> t
                 block.state["std"].mul_(step**0.5)
             elif isinstance(block, FullBlock):
                 block.state["sqrt_cov"].mul_(step**0.5)
-        noise = output_noise(optimizer, model, x)
+        noise = noise_ratio(*sampled_outputs(optimizer, model, x))
     model.train(was_training)
     return before, noise, factor
 

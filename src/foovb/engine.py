@@ -197,10 +197,11 @@ class Step:
         """eps_k of every trained block, (1, *noise_shape); an antithetic pair's second half is -eps of its first
         (not redrawn). Blocks whose statistics keep no noise (`noise_reusable`) get it in the previous sample's
         tensors (a sequential step's allocations: docs/performance.md)."""
-        reused = {block: noise for block, noise in self.noises.items() if block.noise_reusable}
         if self.antithetic and k % 2 and self.noise_of == k - 1:
-            noises = {block: noise.neg_() if block in reused else noise.neg() for block, noise in self.noises.items()}
+            noises = {block: noise.neg_() if block.noise_reusable else noise.neg()
+                      for block, noise in self.noises.items()}
         else:
+            reused = {block: noise for block, noise in self.noises.items() if block.noise_reusable}
             noises = draw_noise(self.all_blocks, self.seed, range(k, k + 1), antithetic=self.antithetic,
                                 only=self.blocks, into=reused)
         self.noises, self.noise_of = noises, k
