@@ -169,9 +169,9 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
             the two cannot be told apart: pass False there.
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: unknown mode, data mode with loss_reduction="mean", too few samples for MC mode, or the
-            processes' optimizers differ in a hyperparameter (family, K, step sizes, options) or in the shapes of
-            their posteriors (the models' layers).
+        ValueError: unknown mode, secant_check, data mode with loss_reduction="mean" or calibrate_prior, too few
+            samples for MC mode, or the processes' optimizers differ in a hyperparameter (family, K, step sizes,
+            options) or in the shapes of their posteriors (the models' layers).
     """
     _require_initialized("foovb.distributed.distribute")
     if mode not in MODES:
@@ -180,6 +180,14 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
         raise ValueError("mode='data' cannot sum the squared per-sample gradients that curvature_damping reads (each "
                          "process has a shard of the batch): build the optimizer with curvature_damping=False, or "
                          "use mode='mc'")
+    if optimizer.secant_check:
+        raise ValueError("secant_check reads the step's statistics before they are combined across processes and "
+                         "one process's batch after the update: not supported by foovb.distributed yet; build the "
+                         "optimizer with secant_check=False")
+    if mode == "data" and optimizer.calibrate_prior is not None:
+        raise ValueError("mode='data' gives each process its own shard of the batch, on which calibrate_prior would "
+                         "scale each process's prior by another factor: build the optimizer with "
+                         "calibrate_prior=None, or use mode='mc'")
     if mode == "data" and optimizer.loss_reduction == "mean":
         raise ValueError("mode='data' needs loss_reduction 'auto' or 'sum': with 'mean' each process's loss would be "
                          "the mean over its own shard, and the shards' statistics could not be summed")

@@ -182,6 +182,7 @@ class Step:
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
+    recheck: Callable[[], Tensor] | None = None  # the step's closure, for secant_check (None: sampled_params blocks)
 
     @functools.cached_property
     def all_params(self) -> list[Tensor]:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from .calibration import calibrate, first_model_call, first_tensor
 from .engine import (
     RunningStatistics,
     Sample,
@@ -47,6 +49,7 @@ from .presets import (
 )
 from .priors import prior_blocks
 from .reduction import hold_module_hooks, loss_reduction_of
+from .secant import cut_mean_steps, mean_gradients, secant_fraction_at_new_mean
 from .validation import (
     check_same_parameters,
     inspection_seed,
@@ -78,6 +81,7 @@ class _Progress:
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
+    prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance; the mean step is divided by it
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -109,7 +113,8 @@ class FOOVB(Persistence):
             diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker" (Algorithm 3) or "full" (Algorithm 2).
         mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
         std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.
-        antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, max_full_params: `foovb.presets`.
+        antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, secant_check, calibrate_prior,
+            max_full_params: `foovb.presets`.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
     """
@@ -130,6 +135,8 @@ class FOOVB(Persistence):
         cov_momentum: float | None = None,
         implicit_mean: bool | None = None,
         curvature_damping: bool | None = None,
+        secant_check: bool | None = None,
+        calibrate_prior: float | None = None,
         init: str | None = None,
         max_full_params: int | None = None,
         loss_reduction: str = "auto",
@@ -140,7 +147,8 @@ class FOOVB(Persistence):
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
             std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,
-            curvature_damping=curvature_damping, init=init, max_full_params=max_full_params))
+            curvature_damping=curvature_damping, init=init, max_full_params=max_full_params, secant_check=secant_check,
+            calibrate_prior=calibrate_prior))
         validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -174,6 +182,12 @@ class FOOVB(Persistence):
     implicit_mean = _fixed_setting("implicit_mean", "Whether the mean step uses the updated covariance.")
     curvature_damping = _fixed_setting("curvature_damping", "Whether the diagonal mean step is damped by the "
                                        "curvature its samples measured.")
+    secant_check = _fixed_setting("secant_check", "Whether the mean step is cut back to the secant minimum along it "
+                                  "(`foovb.secant`).")
+    calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "
+                                     "step, or None (`foovb.calibration`).")
+    prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
+                            "the mean step is divided by it.")
     @property
     def sample_shard(self) -> range:
         """The sample indices this process evaluates: all, or its share under MC-parallel training."""
@@ -239,7 +253,10 @@ class FOOVB(Persistence):
         """
         if closure is None or self._pending is not None:
             return self._finish_own_loop(closure)
+        if self.calibrate_prior is not None and not self.steps_taken:
+            self._calibrate_prior(first_model_call(self.model, closure))
         pending = self._start_step(batch_size)
+        pending.recheck = closure
         try:
             for k in self.sample_shard:  # Algorithm 1's loop over the K Monte Carlo samples
                 noises = pending.noise(k)  # eps_k
@@ -287,6 +304,10 @@ class FOOVB(Persistence):
                 raise ValueError(f"batch_size={batch_size!r}, but this step's first sampled_params(train=True) "
                                  f"block had batch_size={self._pending.batch_size!r}: the step's samples share one "
                                  "batch")
+            if self._pending is None and self.calibrate_prior is not None and not self.steps_taken:
+                warnings.warn("FOOVB: calibrate_prior needs the step's batch before its samples, which "
+                              "sampled_params(train=True) blocks do not give: the prior was not calibrated (use "
+                              "step(closure) or step_batched for the first step)", stacklevel=3)
             pending = self._pending if self._pending is not None else self._start_step(batch_size)
             if pending.count == len(self.sample_shard):
                 raise RuntimeError(f"all {pending.count} Monte Carlo samples of this step were evaluated: call step()")
@@ -347,10 +368,14 @@ class FOOVB(Persistence):
                                f"{len(self.sample_shard)} sampled_params(train=True) blocks ran before step()")
         if pending.grad_scale not in (None, 1.0):  # the sums are linear in the gradients: scaled once, here
             scale_statistics(pending.stats, pending.grad_scale)
+        if self.secant_check:  # E[g] and the means before the update, for the cut after it
+            means_before = [block.state["mean"].clone() for block in pending.stats]
+            grads_before = mean_gradients(pending.stats, self.mc_samples)
         first = [block for block in pending.stats if block not in self._progress.first_mean_norms]
         self._progress.prior_variances.update({block: _mean_variance(block) for block in first})  # for the advice
         try:
-            mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples, self.mean_step,
+            mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
+                                     self.mean_step / self.prior_scale,
                                      self.cov_step, self.statistics_reducer, self.steps_taken, self.std_growth,
                                      pending.seed)
         except BaseException as error:
@@ -362,8 +387,46 @@ class FOOVB(Persistence):
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
         self.load_mean_into_model()
         self.steps_taken += 1
-        pending.running.average()
+        try:
+            if self.secant_check:
+                self._cut_at_secant(pending, means_before, grads_before)
+        finally:
+            pending.running.average()
         return torch.tensor(mean_loss, dtype=torch.float64)
+
+    def _calibrate_prior(self, call: tuple[tuple, dict] | None) -> None:
+        """calibrate_prior, before the first step: the prior's variance scaled to the output noise asked for on the
+        model's inputs of `call` (`foovb.calibration`), the model in eval mode."""
+        if call is None:
+            warnings.warn("FOOVB: calibrate_prior needs the model's output on the step's batch, and the closure did "
+                          "not call the model given to FOOVB: the prior was not calibrated", stacklevel=4)
+            return
+        args, kwargs = call
+
+        def outputs(seed: int | None) -> Tensor | None:
+            if seed is None:
+                return first_tensor(self.model(*args, **kwargs))
+            with self.sampled_params(seed=seed):
+                return first_tensor(self.model(*args, **kwargs))
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self.prior_scale *= calibrate(self.blocks, outputs, self.calibrate_prior)
+        finally:
+            self.model.train(was_training)
+
+    def _cut_at_secant(self, pending: Step, means_before: list[Tensor], grads_before: list[Tensor]) -> None:
+        """secant_check: the mean step cut back to the secant minimum along it where it passes it (`foovb.secant`)."""
+        if pending.recheck is None:
+            warnings.warn("FOOVB: secant_check needs the step's batch, which sampled_params(train=True) blocks do not "
+                          "give the optimizer: these steps are not checked (use step(closure) or step_batched)",
+                          stacklevel=4)
+            return
+        fraction = secant_fraction_at_new_mean(pending, means_before, grads_before)
+        if fraction < 1:
+            cut_mean_steps(list(pending.stats), means_before, fraction)
+            self.load_mean_into_model()
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> Tensor:
@@ -379,7 +442,10 @@ class FOOVB(Persistence):
                                             targets, loss_fn, chunk_size)
         if stacking_is_slower(self.blocks):
             return self.step(closure_of(self.model, inputs, targets, loss_fn))
+        if self.calibrate_prior is not None and not self.steps_taken:
+            self._calibrate_prior(((inputs,), {}))
         pending = self._start_step(None)
+        pending.recheck = closure_of(self.model, inputs, targets, loss_fn)
         try:
             pending.evaluate_stacked(self.sample_shard, inputs, targets, loss_fn, chunk)
         except BaseException:  # the posterior is unchanged

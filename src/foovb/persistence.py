@@ -11,8 +11,8 @@ __all__ = ["Persistence"]
 
 
 class Persistence(torch.optim.Optimizer):
-    """The state-dict methods of `FOOVB` (which sets `blocks`, `generator`, `steps_taken`, `_fixed`, `_pending`,
-    `_progress`, `_adopt_model_weights` and `load_mean_into_model`)."""
+    """The state-dict methods of `FOOVB` (which sets `blocks`, `generator`, `steps_taken`, `prior_scale`, `_fixed`,
+    `_pending`, `_progress`, `_adopt_model_weights` and `load_mean_into_model`)."""
 
     def state_dict(self) -> dict:
         """The posterior, the noise generator and the hyperparameters. The tensors are copies: later steps do
@@ -21,7 +21,8 @@ class Persistence(torch.optim.Optimizer):
         state = super().state_dict()
         state["state"] = {index: {key: value.clone() for key, value in param_state.items()}
                           for index, param_state in state["state"].items()}
-        state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken}
+        state["foovb"] = {"generator": self.generator.get_state(), "steps_taken": self.steps_taken,
+                          "prior_scale": self.prior_scale}
         return state
 
     def __getstate__(self) -> dict:
@@ -62,6 +63,7 @@ class Persistence(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self.generator.set_state(extra["generator"])
         self.steps_taken = int(extra["steps_taken"])
+        self.prior_scale = float(extra.get("prior_scale", 1.0))  # saved before calibrate_prior existed: none
         for block in self.blocks:
             loaded = self.state[block.params[0]]
             block.state.clear()

@@ -59,6 +59,17 @@ The arguments of FOOVB:
         split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
         "alpha" (the matrix-variate split for the diagonal and full families: means
         N(0, 2 alpha / (n_in + 2)), prior std sqrt(2 (1 - alpha) / (n_in + 2)) per layer).
+    secant_check: after the update, evaluate the batch once more at the new mean and cut the mean step back to the
+        secant minimum along it where the step passes it (`foovb.secant`): each block's implicit step is bounded by
+        its own curvature, but the blocks' steps add up (the layers of a small regression net each correcting the
+        same residual). One more forward and backward per step; needs the step's batch (step(closure) or
+        step_batched; sampled_params(train=True) steps are not checked) and one process (an extension).
+    calibrate_prior: None, or the output noise a prior may make (e.g. 150): before the first step every block's
+        prior variance is scaled down by one factor until the sampled networks' outputs on the step's batch differ
+        from the mean network's by at most about this many times the spread of the mean's outputs over the batch
+        (summed squares; 143 for the paper's MLP as torch initialises it, 1,188 for the LeNet), and the mean step is
+        divided by that factor from then on (`foovb.calibration`). Needs the step's batch (step(closure) or
+        step_batched) and is refused in data-parallel training (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
@@ -102,7 +113,7 @@ POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordab
 # recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
           "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "curvature_damping": False,
-          "init": "paper", "max_full_params": 4096}
+          "init": "paper", "max_full_params": 4096, "secant_check": False, "calibrate_prior": None}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
         "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.5, "antithetic": True, "std_growth": "none",
@@ -121,9 +132,9 @@ FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "curv
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",
-         "implicit_mean", "curvature_damping")
+         "implicit_mean", "curvature_damping", "secant_check", "calibrate_prior")
 # The value of a FIXED setting in a state dict saved before the setting existed
-LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False}
+LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False, "secant_check": False, "calibrate_prior": None}
 
 
 def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
@@ -138,7 +149,8 @@ def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str]
 
 def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
               mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
-              implicit_mean: object, curvature_damping: object, init: object, max_full_params: object) -> None:
+              implicit_mean: object, curvature_damping: object, init: object, max_full_params: object,
+              secant_check: object, calibrate_prior: object) -> None:
     """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
     if not is_integer(mc_samples) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
@@ -155,9 +167,13 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     for name, value in (("antithetic", antithetic), ("implicit_mean", implicit_mean),
-                        ("curvature_damping", curvature_damping)):
+                        ("curvature_damping", curvature_damping), ("secant_check", secant_check)):
         if not is_boolean(value):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+    if calibrate_prior is not None and not (is_real(calibrate_prior) and math.isfinite(calibrate_prior)
+                                            and calibrate_prior > 0):
+        raise ValueError(f"calibrate_prior must be None or a positive finite number (the output noise allowed), got "
+                         f"{calibrate_prior!r}")
     if curvature_damping and not implicit_mean:
         raise ValueError("curvature_damping damps the implicit mean step: it needs implicit_mean=True")
     if antithetic and mc_samples % 2:
@@ -202,7 +218,8 @@ def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, s
                 lr=float(settings["mean_step"]), cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
                 antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
                 cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
-                curvature_damping=bool(settings["curvature_damping"]))
+                curvature_damping=bool(settings["curvature_damping"]), secant_check=bool(settings["secant_check"]),
+                calibrate_prior=None if settings["calibrate_prior"] is None else float(settings["calibrate_prior"]))
 
 
 def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
@@ -225,6 +242,10 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
     except RuntimeError as error:
         raise ValueError(f"cannot load the noise generator's state (state_dict['foovb']['generator']): torch "
                          f"refused it ({str(error).splitlines()[0]}); nothing was loaded") from None
+    scale = progress.get("prior_scale", 1.0)
+    if not (is_real(scale) and math.isfinite(scale) and 0 < scale <= 1):
+        raise ValueError("state_dict['foovb']['prior_scale'] (calibrate_prior's factor on the prior's variance) "
+                         f"must be a number in (0, 1], got {scale!r}")
     if not isinstance(state_dict["state"], dict):
         raise ValueError("not a FOOVB state dict: its 'state' must be a dict, got "
                          f"{type(state_dict['state']).__name__}")

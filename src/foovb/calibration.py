@@ -1,0 +1,99 @@
+"""The prior calibrated on the first batch, `FOOVB(..., calibrate_prior=TARGET)` (an extension of the paper).
+
+A prior std taken from each layer's shape (std_init="xavier", or the matrix family's alpha split) is about 1.7 times
+the std of torch's initial weights; through a deep network (four layers and two max-pools in the paper's LeNet) the
+sampled networks' outputs are then mostly noise, and FOO-VB learns its first task slowly (docs/results/
+robustness_grid.md, "The prior's scale and the network's depth"). Before the first step, this scales every block's
+prior variance down by one common factor, in at most 10 rounds of sqrt(TARGET / ratio) each, until the output
+noise on the step's batch,
+
+    ratio = mean_k sum_rows ||f(theta_k, x) - f(mu, x)||^2 / sum_rows ||f(mu, x) - its batch mean||^2,
+
+is at most 1.1 TARGET (10 samples from the inspection noise, the training noise stream untouched; the model in eval
+mode, so that batch norm reads its running statistics). A prior already below it is left as it is. The mean step is
+divided by the same factor from then on (`prior_scale`), so that the first steps' effective learning rate,
+about eta B sigma^2, is the uncalibrated prior's: the calibration removes noise, not plasticity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .engine import RunningStatistics
+from .posteriors import DiagonalBlock, KroneckerBlock, PosteriorBlock
+
+SAMPLES = 10  # sampled networks per measurement
+ROUNDS = 10  # measurements at most
+SLACK = 1.1  # a ratio up to SLACK x TARGET is accepted
+MIN_SHRINK = 0.05  # the variance shrinks by at most 20x per round
+
+
+def first_tensor(output: object) -> Tensor | None:
+    """The model's output as one tensor: itself, or the first tensor of a tuple or list (None where there is none)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((item for item in output if isinstance(item, Tensor)), None)
+    return None
+
+
+def noise_ratio(mean_output: Tensor, sample_outputs: Sequence[Tensor]) -> float:
+    """The samples' output noise over the mean network's output spread across the batch (rows: the first axis)."""
+    mean_output = mean_output.detach().double()
+    spread = (mean_output - mean_output.mean(0)).square().sum().clamp_min(1e-30)
+    return sum(float((out.detach().double() - mean_output).square().sum() / spread)
+               for out in sample_outputs) / len(sample_outputs)
+
+
+@torch.no_grad()
+def scale_prior_variance(blocks: Sequence[PosteriorBlock], factor: float) -> None:
+    """Multiply every block's covariance by `factor` (the matrix family: each Kronecker factor by factor^(1/2),
+    i.e. each square root by factor^(1/4))."""
+    for block in blocks:
+        if isinstance(block, KroneckerBlock):
+            block.state["input_sqrt_cov"].mul_(factor**0.25)
+            block.state["output_sqrt_cov"].mul_(factor**0.25)
+        elif isinstance(block, DiagonalBlock):
+            block.state["std"].mul_(factor**0.5)
+        else:  # FullBlock
+            block.state["sqrt_cov"].mul_(factor**0.5)
+
+
+@torch.no_grad()
+def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], Tensor | None], target: float) -> float:
+    """Scale the blocks' prior variance down until `noise_ratio` is at most SLACK x `target`; returns the factor
+    (1.0: unchanged). `outputs(seed)`: the model's output on the batch at the mean (seed None) or at the sampled
+    network of inspection seed `seed`; None where the output is not a tensor (nothing is then changed)."""
+    mean_output = outputs(None)
+    if mean_output is None:
+        return 1.0
+    factor = 1.0
+    for _ in range(ROUNDS):
+        ratio = noise_ratio(mean_output, [outputs(seed) for seed in range(SAMPLES)])
+        if not ratio > SLACK * target:  # also where the ratio is NaN: the first step's checks report it
+            break
+        shrink = max((target / ratio) ** 0.5, MIN_SHRINK)  # half the way, in log: the ratio is not linear in it
+        scale_prior_variance(blocks, shrink)
+        factor *= shrink
+    return factor
+
+
+def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:
+    """The arguments of the closure's first call of `model`, from one call of the closure at the mean (its
+    gradients and batch-norm statistics dropped); None where it does not call the model itself."""
+    calls: list[tuple[tuple, dict]] = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args, kwargs)) if not calls else None, with_kwargs=True)
+    running = RunningStatistics(model)
+    try:
+        with torch.enable_grad():
+            closure()
+    finally:
+        handle.remove()
+        running.restore()
+        for p in model.parameters():
+            p.grad = None
+    return calls[0] if calls else None

@@ -1,0 +1,174 @@
+"""calibrate_prior (foovb/calibration.py): the prior's variance scaled at the first step to an output noise, the mean
+step divided by the same factor. Checked against closed forms (the ratio of a linear model is linear in the prior's
+variance), against an optimizer built with the calibrated prior and step by hand, and on each path of a first step."""
+
+import math
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from foovb import FOOVB
+from foovb.calibration import calibrate, noise_ratio
+from foovb.distributed import distribute
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(64, 10, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+
+
+def closure_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def closure() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def linear(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(10, 3)
+
+
+def test_the_noise_ratio():
+    mean = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])  # spread over the batch: 2
+    samples = [mean + torch.tensor([[0.0, 1.0], [0.0, 1.0]]), mean + torch.tensor([[0.0, 3.0], [0.0, 0.0]])]
+    assert noise_ratio(mean, samples) == pytest.approx((2.0 / 2 + 9.0 / 2) / 2)
+
+
+@pytest.mark.parametrize("target", [0.5, 3.0])
+def test_a_linear_model_is_calibrated_to_the_target(target):
+    """For a linear model the output noise is linear in the prior's variance: the calibrated ratio lands in
+    [target / 1.1, 1.1 target] after the rounds, and the diagonal std shrank by the square root of the factor."""
+    model = linear()
+    x, _ = data()
+    opt = FOOVB(model, "diagonal", std_init=1.0, seed=0)
+    std_before = opt.posterior(model.weight).std.clone()
+
+    def outputs(seed):
+        if seed is None:
+            return model(x)
+        with opt.sampled_params(seed=seed):
+            return model(x)
+
+    with torch.no_grad():
+        before = noise_ratio(outputs(None), [outputs(seed) for seed in range(10)])
+        factor = calibrate(opt.blocks, outputs, target)
+        after = noise_ratio(outputs(None), [outputs(seed) for seed in range(10)])
+    assert before > 10 * target
+    assert target / 1.1 <= after <= 1.1 * target
+    assert after / before == pytest.approx(factor, rel=1e-6)  # the same draws, scaled
+    torch.testing.assert_close(opt.posterior(model.weight).std, std_before * math.sqrt(factor))
+
+
+def test_the_first_step_is_that_of_the_calibrated_prior_with_the_step_divided():
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", std_init=1.0, mean_step=0.7, calibrate_prior=2.0, seed=5)
+    opt.step(closure_of(model, x, y))
+    factor = opt.prior_scale
+    assert 0 < factor < 0.1
+    by_hand = linear()
+    reference = FOOVB(by_hand, "diagonal", std_init=math.sqrt(factor), mean_step=0.7 / factor, seed=5)
+    reference.step(closure_of(by_hand, x, y))
+    for p, q in zip(model.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.posterior(p).std, reference.posterior(q).std)
+    assert opt.mean_step == 0.7  # the user's step size is left as given (a schedule still scales it)
+
+
+def test_a_prior_under_the_target_is_left_as_it_is():
+    x, y = data()
+    results = []
+    for calibrate_prior in (None, 1e9):
+        model = linear()
+        opt = FOOVB(model, "kronecker", calibrate_prior=calibrate_prior, seed=1)
+        opt.step(closure_of(model, x, y))
+        assert opt.prior_scale == 1.0
+        results.append([p.detach().clone() for p in model.parameters()])
+    for plain, calibrated in zip(*results, strict=True):
+        torch.testing.assert_close(calibrated, plain, rtol=0, atol=0)
+
+
+def test_step_batched_calibrates_as_step_does_and_later_steps_do_not():
+    x, y = data()
+    scales = []
+    for batched in (False, True):
+        model = nn.Sequential(linear(), nn.Tanh(), nn.Linear(3, 3))
+        opt = FOOVB(model, "kronecker", calibrate_prior=0.5, seed=2)
+        for _ in range(3):
+            if batched:
+                opt.step_batched(x, y)
+            else:
+                opt.step(closure_of(model, x, y))
+            scales.append(opt.prior_scale)
+    assert scales[0] < 1 and scales[0] == scales[1] == scales[2]  # once, at the first step
+    assert scales[3:] == pytest.approx(scales[:3], rel=1e-6)
+
+
+def test_batch_norm_statistics_and_gradients_are_left_as_the_step_leaves_them():
+    x, y = data()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    opt = FOOVB(model, "kronecker", calibrate_prior=1.0, seed=0)
+    opt.step(closure_of(model, x, y))
+    assert opt.prior_scale < 1
+    assert int(model[1].num_batches_tracked) == 1  # one sample's count, as without calibration
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_the_calibration_is_saved_and_loaded():
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
+    opt.step(closure_of(model, x, y))
+    saved = opt.state_dict()
+    loaded = FOOVB(linear(), "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
+    loaded.load_state_dict(saved)
+    assert loaded.prior_scale == opt.prior_scale < 1
+    legacy = {**saved, "foovb": {k: v for k, v in saved["foovb"].items() if k != "prior_scale"}}
+    loaded.load_state_dict(legacy)
+    assert loaded.prior_scale == 1.0
+    with pytest.raises(ValueError, match="prior_scale"):
+        loaded.load_state_dict({**saved, "foovb": {**saved["foovb"], "prior_scale": 2.0}})
+
+
+def test_paths_without_the_batch_say_so_and_bad_values_are_refused(tmp_path: Path):
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", 2, std_init=1.0, calibrate_prior=2.0, seed=0)
+    with pytest.warns(UserWarning, match="the prior was not calibrated"):
+        for _ in range(2):
+            with opt.sampled_params(train=True):
+                F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.prior_scale == 1.0
+    layers = nn.Sequential(linear(), nn.Tanh(), nn.Linear(3, 3))
+    by_parts = FOOVB(layers, "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
+
+    def closure() -> torch.Tensor:  # calls the layers one by one, never the model given to FOOVB
+        loss = F.cross_entropy(layers[2](layers[1](layers[0](x))), y)
+        loss.backward()
+        return loss
+
+    with pytest.warns(UserWarning, match="did not call the model"):
+        by_parts.step(closure)
+    assert by_parts.prior_scale == 1.0
+    for value in (0, -1.0, math.inf, "150", True):
+        with pytest.raises(ValueError, match="calibrate_prior must be None or a positive finite number"):
+            FOOVB(linear(), calibrate_prior=value)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        with pytest.raises(ValueError, match="calibrate_prior"):
+            distribute(FOOVB(linear(), "diagonal", 4, calibrate_prior=2.0), "data")
+    finally:
+        dist.destroy_process_group()
