@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import ce_closure
 from torch import nn
 
 from foovb import FOOVB
@@ -25,12 +26,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def closure_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    def closure() -> torch.Tensor:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    return closure
+    return ce_closure(model, x, y, reduction="mean")
 
 
 def linear(seed: int = 0) -> nn.Module:
