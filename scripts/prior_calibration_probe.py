@@ -7,7 +7,8 @@ times the spread of the mean's outputs over that batch (`depth_probe.py --noise`
 paper's MLP as torch initialises it, 1,188 for the LeNet); a prior already below it is left as it is. Everything
 else is `benchmarks/robustness_grid.py`, whose arguments follow `--calibrate` (give the runs their own `--tag`).
 `--keep-step` (right after the target) also divides the mean step eta by the variance's factor, so that the first
-steps' effective learning rate, about eta B sigma^2, is the uncalibrated prior's:
+steps' effective learning rate, about eta B sigma^2, is the uncalibrated prior's; `--keep-half-step` by its square
+root (session 42):
 
     python scripts/prior_calibration_probe.py --calibrate 150 --out runs/grid_calib --half tuning --seeds 0 \\
         --examples 3072 --tag kron_calib150 --learners foovb_kronecker --jobs 2
@@ -75,24 +76,33 @@ def make_optimizer(learner: str, model: nn.Module, seed: int, candidate: dict) -
     optimizer = _make_optimizer(learner, model, seed, candidate)
     if learner.startswith("foovb_") and os.environ.get(TARGET):
         _, _, factor = calibrate(optimizer, model, _first_inputs[0], float(os.environ[TARGET]))
-        if os.environ.get(KEEP_STEP):  # the mean step's eta divided by the variance's factor: eta sigma^2 as before
-            optimizer.param_groups[0]["lr"] /= factor
+        if os.environ.get(KEEP_STEP):  # eta divided by the variance's factor (to the power 1: eta sigma^2 as before)
+            optimizer.param_groups[0]["lr"] /= factor ** float(os.environ[KEEP_STEP])
     return optimizer
 
 
 grid.make_stream, grid.make_optimizer = make_stream, make_optimizer
 
+KEEP_FLAGS = {"--keep-step": ("1", "_keepstep"), "--keep-half-step": ("0.5", "_keephalf")}  # power, tag suffix
+
+
+def parse_calibration(argv: list[str], tag: str, script: str) -> None:
+    """`--calibrate TARGET [--keep-step | --keep-half-step]` at the front of `argv`: carried to the workers in the
+    environment (the tag must name it: the candidate file cannot), then removed from `argv`."""
+    target = float(argv[2])
+    keep = KEEP_FLAGS.get(argv[3]) if len(argv) > 3 else None
+    name = f"calib{target:g}" + (keep[1] if keep else "")
+    if name not in tag or (keep is None and any(suffix in tag for _, suffix in KEEP_FLAGS.values())):
+        sys.exit(f"{script}: error: --tag must name the calibration (e.g. kron_{name}), got {tag!r}")
+    os.environ[TARGET] = str(target)
+    if keep:
+        os.environ[KEEP_STEP] = keep[0]
+    argv[1 : 4 if keep else 3] = []
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "--calibrate":
         sys.exit(__doc__)
-    target = float(sys.argv[2])
-    keep_step = len(sys.argv) > 3 and sys.argv[3] == "--keep-step"
-    tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv[:-1] else "default"
-    name = f"calib{target:g}" + ("_keepstep" if keep_step else "")
-    if name not in tag or (not keep_step and "keepstep" in tag):  # the tag must carry what its candidate file cannot
-        sys.exit(f"prior_calibration_probe.py: error: --tag must name the calibration (e.g. kron_{name}), got {tag!r}")
-    os.environ[TARGET] = str(target)
-    if keep_step:
-        os.environ[KEEP_STEP] = "1"
-    sys.argv[1 : 4 if keep_step else 3] = []
+    parse_calibration(sys.argv, sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv[:-1] else "default",
+                      "prior_calibration_probe.py")
     grid.main()

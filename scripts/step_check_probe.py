@@ -11,7 +11,7 @@ The check: after FOOVB's step, the gradient at the new mean g(mu + d) (one more 
 E[g] give the curvature along the whole step d, c = d . (g(mu + d) - E[g]); where the step passes the secant
 minimum, t = -E[g] . d / c < 1, the mean moves by t d instead (the covariance update is kept). Everything else is
 `benchmarks/robustness_grid.py`, whose arguments follow (give the runs a `--tag` with "secant" in it);
-`--calibrate TARGET [--keep-step]` in front adds `prior_calibration_probe.py`'s calibrated prior:
+`--calibrate TARGET [--keep-step | --keep-half-step]` in front adds `prior_calibration_probe.py`'s calibrated prior:
 
     python scripts/step_check_probe.py --out runs/grid_calib --half tuning --seeds 0 --examples 3072 \\
         --tag kron_secant --learners foovb_kronecker --jobs 2
@@ -106,12 +106,5 @@ if __name__ == "__main__":
         sys.exit(f"step_check_probe.py: error: --tag must name the check (e.g. kron_secant), got {tag!r}")
     os.environ[SECANT] = "1"
     if len(sys.argv) > 2 and sys.argv[1] == "--calibrate":
-        keep_step = len(sys.argv) > 3 and sys.argv[3] == "--keep-step"
-        name = f"calib{float(sys.argv[2]):g}" + ("_keepstep" if keep_step else "")
-        if name not in tag or (not keep_step and "keepstep" in tag):
-            sys.exit(f"step_check_probe.py: error: --tag must name the calibration ({name}), got {tag!r}")
-        os.environ[calibration.TARGET] = sys.argv[2]
-        if keep_step:
-            os.environ[calibration.KEEP_STEP] = "1"
-        sys.argv[1 : 4 if keep_step else 3] = []
+        calibration.parse_calibration(sys.argv, tag, "step_check_probe.py")
     calibration.grid.main()
