@@ -119,6 +119,11 @@ def test_batch_norm_statistics_and_gradients_are_left_as_the_step_leaves_them():
     assert opt.prior_scale < 1
     assert int(model[1].num_batches_tracked) == 1  # one sample's count, as without calibration
     assert model.training and all(p.grad is None for p in model.parameters())
+    accumulated = FOOVB(linear(), "diagonal", calibrate_prior=1.0, seed=0)
+    loss = F.cross_entropy(accumulated.model(x), y)
+    loss.backward()  # a gradient left from outside the closure: refused, not dropped by the calibration's call
+    with pytest.raises(RuntimeError, match="gradients were already computed"):
+        accumulated.step(closure_of(accumulated.model, x, y))
 
 
 def test_the_calibration_is_saved_and_loaded():

@@ -188,6 +188,7 @@ class FOOVB(Persistence):
                                      "step, or None (`foovb.calibration`).")
     prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
                             "the mean step is divided by it.")
+
     @property
     def sample_shard(self) -> range:
         """The sample indices this process evaluates: all, or its share under MC-parallel training."""
@@ -254,6 +255,7 @@ class FOOVB(Persistence):
         if closure is None or self._pending is not None:
             return self._finish_own_loop(closure)
         if self.calibrate_prior is not None and not self.steps_taken:
+            refuse_accumulated_gradients(self.blocks)  # before the calibration's closure call drops them
             self._calibrate_prior(first_model_call(self.model, closure))
         pending = self._start_step(batch_size)
         pending.recheck = closure
@@ -473,7 +475,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     names = {id(module): name for name, module in opt.model.named_modules()}
     name = names.get(id(block.module), "?") or "(the model itself)"
     variance = opt._progress.prior_variances[block]
-    rate = opt.mean_step * variance * (grad_scale or 1.0)
+    rate = opt.mean_step / opt.prior_scale * variance * (grad_scale or 1.0)
     if not opt.implicit_mean:
         fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
     else:
