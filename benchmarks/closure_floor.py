@@ -7,12 +7,16 @@ each sample written into the parameters and its gradient summed in place, a triv
 K-sample step on torch's CPU generator pays). The two alternate in one process, `--steps` steps per timing, so
 that a busy host slows both alike; prints every pair, the medians and the median of the per-pair ratios.
 
-    python benchmarks/closure_floor.py [--repeats 9] [--steps 20] [--threads 1]
+    python benchmarks/closure_floor.py [--repeats 9] [--steps 20] [--threads 1] [--settings '{"secant_check": true}']
+
+`--settings`: FOOVB keyword arguments (JSON) for the timed optimizer, against the same floor (e.g. what an option
+costs: `secant_check` adds one forward and backward per step, K + 1 passes against the floor's K).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -39,14 +43,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timing")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=10, help="Monte Carlo samples per step")
+    parser.add_argument("--settings", default="{}", help="FOOVB keyword arguments (JSON) of the timed optimizer")
     args = parser.parse_args()
+    settings = json.loads(args.settings)
     torch.set_num_threads(args.threads)
     mnist = load_mnist()
     x = ((mnist.train_images[:128].float() / 255 - MNIST_MEAN) / MNIST_STD).flatten(1)
     y = mnist.train_labels[:128]
     torch.manual_seed(0)
     model = mlp()
-    optimizer = FOOVB(model, "diagonal", mc_samples=args.k, seed=0)
+    optimizer = FOOVB(model, "diagonal", mc_samples=args.k, seed=0, **settings)
 
     def closure() -> torch.Tensor:
         loss = F.cross_entropy(model(x), y, reduction="sum")
@@ -58,10 +64,10 @@ def main() -> None:
 
     floor = bare_diagonal_loop(x, y, args.k)
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s); MLP 784-100-100-10, batch 128, K={args.k}; "
-          f"{args.repeats} alternating timings of {args.steps} steps each\n")
+          f"{args.repeats} alternating timings of {args.steps} steps each; FOOVB settings {settings}\n")
     for step in (foovb_step, floor):  # warm-up
         steps_ms(step, 3)
-    print("| pair | FOOVB(model, 'diagonal').step(closure) ms | bare sequential loop ms | ratio |")
+    print(f"| pair | FOOVB(model, 'diagonal', **{settings}).step(closure) ms | bare sequential loop ms | ratio |")
     print("|---|---|---|---|")
     steps, floors = [], []
     for pair in range(args.repeats):
