@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import robustness_grid as grid  # noqa: E402
 
 from foovb import FOOVB  # noqa: E402
+from foovb.calibration import noise_ratio  # noqa: E402
 
 EXAMPLES, BATCH = 3072, 64
 
@@ -95,13 +96,6 @@ def sampled_outputs(optimizer: FOOVB, model: nn.Module, x: torch.Tensor,
         with optimizer.sampled_params(seed=seed):
             outs.append(model(x))
     return mean_out, outs
-
-
-def noise_ratio(mean_out: torch.Tensor, outs: list[torch.Tensor]) -> float:
-    """The samples' output noise against the signal: sum ||f(theta_k, x) - f(mu, x)||^2 over
-    sum ||f(mu, x) - its batch mean||^2, averaged over the samples."""
-    signal = (mean_out - mean_out.mean(0)).square().sum().clamp_min(1e-30)
-    return sum(float((out - mean_out).square().sum() / signal) for out in outs) / len(outs)
 
 
 @torch.no_grad()

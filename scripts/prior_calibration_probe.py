@@ -1,5 +1,6 @@
-"""The robustness grid with a prior calibrated on the first batch: a hypothesis for issue 54 (session 41), not a
-FOOVB feature.
+"""The robustness grid with a prior calibrated on the first batch: a hypothesis for issue 54 (session 41), since
+session 42 the library's `foovb.calibration` (FOOVB(calibrate_prior=...) with the whole step kept is `--keep-step`;
+this probe also runs the calibration with the step as given or half kept).
 
 Before the first step, every FOO-VB learner's prior variance is scaled down by one factor (for all blocks alike)
 until the sampled networks' outputs on the cell's first batch differ from the mean network's by at most `--calibrate`
@@ -8,10 +9,12 @@ paper's MLP as torch initialises it, 1,188 for the LeNet); a prior already below
 else is `benchmarks/robustness_grid.py`, whose arguments follow `--calibrate` (give the runs their own `--tag`).
 `--keep-step` (right after the target) also divides the mean step eta by the variance's factor, so that the first
 steps' effective learning rate, about eta B sigma^2, is the uncalibrated prior's; `--keep-half-step` by its square
-root (session 42):
+root (session 42). The library's secant check goes in the candidate's settings:
 
     python scripts/prior_calibration_probe.py --calibrate 150 --out runs/grid_calib --half tuning --seeds 0 \\
         --examples 3072 --tag kron_calib150 --learners foovb_kronecker --jobs 2
+    python scripts/prior_calibration_probe.py --calibrate 150 --keep-half-step --out runs/grid_calib ... \\
+        --tag kron_secant_calib150_keephalf --kronecker '{"secant_check": true}'
 
 (Copy `runs/grid/results.jsonl` into the `--out` folder first to reuse its baselines.) The grid's workers import this
 module as their main module, so the two patches below apply in them too.
@@ -29,10 +32,9 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import robustness_grid as grid  # noqa: E402
-from depth_probe import noise_ratio, sampled_outputs  # noqa: E402
 
 from foovb import FOOVB  # noqa: E402
-from foovb.posteriors import DiagonalBlock, FullBlock, KroneckerBlock  # noqa: E402
+from foovb.calibration import calibrate  # noqa: E402
 
 TARGET = "FOOVB_PRIOR_CALIBRATION"  # the environment variable that carries --calibrate into the workers
 KEEP_STEP = "FOOVB_PRIOR_CALIBRATION_KEEP_STEP"  # and --keep-step
@@ -41,29 +43,21 @@ _make_stream, _make_optimizer = grid.make_stream, grid.make_optimizer
 
 
 @torch.no_grad()
-def calibrate(optimizer: FOOVB, model: nn.Module, x: Tensor, target: float) -> tuple[float, float, float]:
-    """Scale every block's prior variance down until `depth_probe.noise_ratio` is at most 1.1 `target` (at most 10
-    rounds); returns (the noise before, after, the variance's factor)."""
+def calibrated_factor(optimizer: FOOVB, model: nn.Module, x: Tensor, target: float) -> float:
+    """`foovb.calibration.calibrate` on the batch x, the model in eval mode (what FOOVB(calibrate_prior=target)
+    does at its first step, without dividing the step); returns the variance's factor."""
+    def outputs(seed: int | None) -> Tensor:
+        if seed is None:
+            return model(x)
+        with optimizer.sampled_params(seed=seed):
+            return model(x)
+
     was_training = model.training
     model.eval()  # batch norm from its running statistics: the mean's and the samples' outputs comparable
-    before = noise = noise_ratio(*sampled_outputs(optimizer, model, x))
-    factor = 1.0
-    for _ in range(10):
-        if noise <= 1.1 * target:
-            break
-        step = max((target / noise) ** 0.5, 0.05)
-        factor *= step
-        for block in optimizer.blocks:
-            if isinstance(block, KroneckerBlock):  # Sigma = A A^T (x) B B^T: each factor by step^(1/4)
-                block.state["input_sqrt_cov"].mul_(step**0.25)
-                block.state["output_sqrt_cov"].mul_(step**0.25)
-            elif isinstance(block, DiagonalBlock):
-                block.state["std"].mul_(step**0.5)
-            elif isinstance(block, FullBlock):
-                block.state["sqrt_cov"].mul_(step**0.5)
-        noise = noise_ratio(*sampled_outputs(optimizer, model, x))
-    model.train(was_training)
-    return before, noise, factor
+    try:
+        return calibrate(optimizer.blocks, outputs, target)
+    finally:
+        model.train(was_training)
 
 
 def make_stream(*args: object, **kwargs: object) -> grid.Stream:
@@ -75,7 +69,7 @@ def make_stream(*args: object, **kwargs: object) -> grid.Stream:
 def make_optimizer(learner: str, model: nn.Module, seed: int, candidate: dict) -> torch.optim.Optimizer:
     optimizer = _make_optimizer(learner, model, seed, candidate)
     if learner.startswith("foovb_") and os.environ.get(TARGET):
-        _, _, factor = calibrate(optimizer, model, _first_inputs[0], float(os.environ[TARGET]))
+        factor = calibrated_factor(optimizer, model, _first_inputs[0], float(os.environ[TARGET]))
         if os.environ.get(KEEP_STEP):  # eta divided by the variance's factor (to the power 1: eta sigma^2 as before)
             optimizer.param_groups[0]["lr"] /= factor ** float(os.environ[KEEP_STEP])
     return optimizer
