@@ -1,6 +1,7 @@
 """calibrate_prior (foovb/calibration.py): the prior's variance scaled at the first step to an output noise, the mean
-step divided by the same factor. Checked against closed forms (the ratio of a linear model is linear in the prior's
-variance), against an optimizer built with the calibrated prior and step by hand, and on each path of a first step."""
+step's covariance raised to Sigma + r Sigma^2. Checked against closed forms (the ratio of a linear model is linear in
+the prior's variance), against an optimizer built with the calibrated prior by hand, and on each path of a first
+step."""
 
 import math
 from datetime import timedelta
@@ -65,19 +66,42 @@ def test_a_linear_model_is_calibrated_to_the_target(target):
     torch.testing.assert_close(opt.posterior(model.weight).std, std_before * math.sqrt(factor))
 
 
-def test_the_first_step_is_that_of_the_calibrated_prior_with_the_step_divided():
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
+def test_the_first_step_is_the_calibrated_priors_raised_by_r_sigma_squared(family):
+    """The same samples as an optimizer built by hand with the calibrated prior (the calibration draws from its own
+    seeds), so the same E[g] and the same updated covariance Sigma; the mean step is (Sigma + r Sigma^2) E[g] against
+    the reference's Sigma E[g], with r = (1/f - 1) / v0: where Sigma = v0 the uncalibrated prior's v0 / f."""
     x, y = data()
     model = linear()
-    opt = FOOVB(model, "diagonal", std_init=1.0, mean_step=0.7, calibrate_prior=2.0, seed=5)
+    opt = FOOVB(model, family, mean_step=0.7, calibrate_prior=0.2 if family == "kronecker" else 2.0, seed=5,
+                **({"alpha": 0.5} if family == "kronecker" else {"std_init": 0.5}))
+    start = [block.state["mean"].clone() for block in opt.blocks]
     opt.step(closure_of(model, x, y))
     factor = opt.prior_scale
-    assert 0 < factor < 0.1
-    by_hand = linear()
-    reference = FOOVB(by_hand, "diagonal", std_init=math.sqrt(factor), mean_step=0.7 / factor, seed=5)
-    reference.step(closure_of(by_hand, x, y))
-    for p, q in zip(model.parameters(), by_hand.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
-        torch.testing.assert_close(opt.posterior(p).std, reference.posterior(q).std)
+    assert 0 < factor < 0.5
+    # the reference's prior is the calibrated one (matrix-variate: 2 (1 - alpha') / (n_in + 2) = f 2 (1 - 0.5) / ...)
+    reference = FOOVB(linear(), family, mean_step=0.7, seed=5,
+                      **({"alpha": 1 - factor * 0.5} if family == "kronecker" else {"std_init": 0.5 * factor**0.5}))
+    reference.step(closure_of(reference.model, x, y))
+    variance = 0.5**2 * factor if family != "kronecker" else 2 * 0.5 / (10 + 2) * factor
+    raise_ = (1 / factor - 1) / variance
+    for block, reference_block, mean in zip(opt.blocks, reference.blocks, start, strict=True):
+        torch.testing.assert_close(block.state["step_raise"], torch.tensor(raise_), rtol=1e-5, atol=0)
+        for key, value in reference_block.state.items():  # the same updated covariance
+            if key != "mean":
+                torch.testing.assert_close(block.state[key], value)
+        reference_step = reference_block.state["mean"] - mean
+        if family == "diagonal":
+            expected = reference_step * (1 + raise_ * block.state["std"].square())
+        elif family == "kronecker":
+            a, b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
+            expected = reference_step + raise_ * (b @ b.T @ reference_step @ a @ a.T)
+        else:
+            a = block.state["sqrt_cov"]
+            expected = reference_step + raise_ * (a @ (a.T @ reference_step))
+        step = block.state["mean"] - mean
+        torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-6)
+        assert step.norm() > 2 * reference_step.norm()  # the raise is not negligible here
     assert opt.mean_step == 0.7  # the user's step size is left as given (a schedule still scales it)
 
 
@@ -135,6 +159,14 @@ def test_the_calibration_is_saved_and_loaded():
     loaded = FOOVB(linear(), "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
     loaded.load_state_dict(saved)
     assert loaded.prior_scale == opt.prior_scale < 1
+    for optimizer in (opt, loaded):  # the raise travels with the state: the next steps are the same
+        optimizer.step(closure_of(optimizer.model, x, y))
+    for p, q in zip(opt.model.parameters(), loaded.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    negative = {**saved, "state": {i: {**entry, "step_raise": -entry["step_raise"]}
+                                   for i, entry in saved["state"].items()}}
+    with pytest.raises(ValueError, match="'step_raise' is negative"):
+        loaded.load_state_dict(negative)
     legacy = {**saved, "foovb": {k: v for k, v in saved["foovb"].items() if k != "prior_scale"}}
     loaded.load_state_dict(legacy)
     assert loaded.prior_scale == 1.0

@@ -10,9 +10,15 @@ noise on the step's batch,
     ratio = mean_k sum_rows ||f(theta_k, x) - f(mu, x)||^2 / sum_rows ||f(mu, x) - its batch mean||^2,
 
 is at most 1.1 TARGET (10 samples from the inspection noise, the training noise stream untouched; the model in eval
-mode, so that batch norm reads its running statistics). A prior already below it is left as it is. The mean step is
-divided by the same factor from then on (`prior_scale`), so that the first steps' effective learning rate,
-about eta B sigma^2, is the uncalibrated prior's: the calibration removes noise, not plasticity.
+mode, so that batch norm reads its running statistics). A prior already below it is left as it is.
+
+The calibration removes noise, not plasticity: where the prior's variance was scaled by f (`prior_scale`), the mean
+step's covariance becomes Sigma + r Sigma^2 with r = (1/f - 1) / v0, v0 the calibrated prior's variance per weight
+(each block's `state["step_raise"]`). Where the posterior is still the prior (Sigma = v0) that is v0 / f, the
+uncalibrated prior's step (about eta B sigma^2 as an SGD learning rate); where the likelihood has taken over
+(Sigma << v0) it is Sigma, the step of the algorithm. Session 42 divided the mean step by f for good instead: on the
+robustness grid that kept the raise after the likelihood had taken over, and the tuning half's LeNet and CNN cells
+lost 1-4 points of average against this one (docs/results/default_probes.md).
 """
 
 from __future__ import annotations
@@ -78,7 +84,21 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
         shrink = max((target / ratio) ** 0.5, MIN_SHRINK)  # half the way, in log: the ratio is not linear in it
         scale_prior_variance(blocks, shrink)
         factor *= shrink
+    if factor < 1:
+        for block in blocks:
+            block.state["step_raise"] = (1 / factor - 1) / variance_per_weight(block)
     return factor
+
+
+def variance_per_weight(block: PosteriorBlock) -> Tensor:
+    """The mean of the diagonal of a block's covariance (0-dim, in the mean's dtype): its prior's variance per weight
+    at the first step, where every family's covariance is a multiple of the identity."""
+    if isinstance(block, KroneckerBlock):  # diag(A A^T (x) B B^T) = outer product of the factors' diagonals
+        return (block.state["input_sqrt_cov"].square().sum(1).mean()
+                * block.state["output_sqrt_cov"].square().sum(1).mean())
+    if isinstance(block, DiagonalBlock):
+        return block.state["std"].square().mean()
+    return block.state["sqrt_cov"].square().sum(1).mean()
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

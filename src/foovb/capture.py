@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .posteriors import KroneckerBlock, full_precision
+from .posteriors import KroneckerBlock
+from .precision import full_precision
 from .sampled import augmented_input, cached_augmented_input
 
 __all__ = ["LinearCapture", "UnseenUse"]

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .capture import LinearCapture, UnseenUse
 from .linalg import LowRank
-from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
+from .posteriors import KroneckerBlock, PosteriorBlock
+from .precision import full_precision
 from .reduction import LossSpy, loss_reduction_of, loss_scale, reads_a_mean
 from .sampled import SampledNetwork, augmented_input, check_batched_support
 

@@ -37,7 +37,8 @@ from .engine import (
     stacking_is_slower,
 )
 from .persistence import Persistence
-from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, drop_autocast_cache, full_precision
+from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView
+from .precision import drop_autocast_cache, full_precision
 from .presets import (
     FIXED,
     PRESETS,
@@ -81,7 +82,7 @@ class _Progress:
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
-    prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance; the mean step is divided by it
+    prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (the blocks keep its step_raise)
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -187,7 +188,7 @@ class FOOVB(Persistence):
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "
                                      "step, or None (`foovb.calibration`).")
     prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
-                            "the mean step is divided by it.")
+                            "the first steps keep the uncalibrated prior's size (`foovb.calibration`).")
 
     @property
     def sample_shard(self) -> range:
@@ -377,8 +378,7 @@ class FOOVB(Persistence):
         self._progress.prior_variances.update({block: _mean_variance(block) for block in first})  # for the advice
         try:
             mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
-                                     self.mean_step / self.prior_scale,
-                                     self.cov_step, self.statistics_reducer, self.steps_taken, self.std_growth,
+                                     self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken, self.std_growth,
                                      pending.seed)
         except BaseException as error:
             pending.running.restore()  # a refused update changes nothing

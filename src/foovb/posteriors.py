@@ -12,10 +12,9 @@ keeps in `Optimizer.state`, so `state_dict()` saves them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,34 +22,9 @@ from torch import Tensor, nn
 
 from .linalg import LowRank, root_scale, signed_root_scale, sqrt_covariance_update
 
-__all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "PosteriorView", "FAMILIES",
-           "full_precision", "drop_autocast_cache"]
+__all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "PosteriorView", "FAMILIES"]
 
-AUTOCAST_DEVICES = ("cpu", "cuda")
 FAMILIES = ("diagonal", "kronecker", "full")
-
-
-def full_precision() -> contextlib.AbstractContextManager:
-    """Autocast off inside: the posterior's own arithmetic (sampling, statistics, update) runs in the state's
-    dtype even when the caller runs a step or a prediction inside `torch.autocast`, which should change the
-    model's forward and backward only. (Outside autocast: a no-op context, entered many times per step.)"""
-    enabled = [device_type for device_type in AUTOCAST_DEVICES if torch.is_autocast_enabled(device_type)]
-    return _autocast_off(enabled) if enabled else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _autocast_off(device_types: list[str]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for device_type in device_types:
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
-
-
-def drop_autocast_cache() -> None:
-    """Call after overwriting parameters in place: an enclosing autocast region (even a disabled one around an
-    enabled one, which then keeps its cache until the outermost exits) caches the low-precision copy of each
-    weight and would otherwise keep using the copy made from the previous values. Clearing is cheap."""
-    torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)
@@ -84,7 +58,8 @@ class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
     family: str
-    optional_state: tuple[str, ...] = ()  # state entries that appear only after the first update
+    # state entries that appear only after the first update; "step_raise": r of calibrate_prior (`foovb.calibration`)
+    optional_state: tuple[str, ...] = ("step_raise",)
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
     statistic_powers: dict[str, int] = {}
@@ -183,7 +158,7 @@ class DiagonalBlock(PosteriorBlock):
     """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
 
     family = "diagonal"
-    optional_state = ("grad_noise_average",)
+    optional_state = ("grad_noise_average", "step_raise")
     noise_reusable = True
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
@@ -275,6 +250,8 @@ class DiagonalBlock(PosteriorBlock):
             std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
+        if "step_raise" in self.state:  # calibrate_prior: sigma^2 + r sigma^4 (foovb.calibration)
+            variance = variance + self.state["step_raise"] * variance.square()
         if self.curvature_damping:  # (validated: with implicit_mean only)
             variance.mul_(self.damping(curvature, spread, mean_step))
         self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
@@ -422,7 +399,10 @@ class KroneckerBlock(PosteriorBlock):
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
         self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
-        mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
+        step = b @ (b.T @ e1 @ a) @ a.T
+        if "step_raise" in self.state:  # calibrate_prior: (Sigma + r Sigma^2) E1 (foovb.calibration)
+            step += self.state["step_raise"] * (b @ (b.T @ step @ a) @ a.T)
+        mean.sub_(mean_step * step)
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
@@ -483,7 +463,10 @@ class FullBlock(PosteriorBlock):
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
         grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
         self.state["sqrt_cov"], a = self.updated_and_step_factor(a, grad_noise, step_tempering(mean_step, cov_step))
-        self.state["mean"].sub_(mean_step * (a @ (a.T @ stats["grad_sum"])) / num_samples)
+        step = a @ (a.T @ stats["grad_sum"])
+        if "step_raise" in self.state:  # calibrate_prior: (Sigma + r Sigma^2) E1 (foovb.calibration)
+            step += self.state["step_raise"] * (a @ (a.T @ step))
+        self.state["mean"].sub_(mean_step * step / num_samples)
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])

@@ -67,8 +67,9 @@ The arguments of FOOVB:
     calibrate_prior: None, or the output noise a prior may make (e.g. 150): before the first step every block's
         prior variance is scaled down by one factor until the sampled networks' outputs on the step's batch differ
         from the mean network's by at most about this many times the spread of the mean's outputs over the batch
-        (summed squares; 143 for the paper's MLP as torch initialises it, 1,188 for the LeNet), and the mean step is
-        divided by that factor from then on (`foovb.calibration`). Needs the step's batch (step(closure) or
+        (summed squares; 143 for the paper's MLP as torch initialises it, 1,188 for the LeNet); the mean step's
+        covariance is then Sigma + r Sigma^2, which is the uncalibrated prior's where the posterior is still the prior
+        and Sigma where the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
@@ -277,7 +278,8 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict) -> None
     are: Lemma 2 keeps them nonsingular). O(size): no decomposition."""
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
-    own_state.update({key: block.state["mean"] for key in block.optional_state if key in saved})
+    own_state.update({key: block.state["mean"].new_zeros(()) if key == "step_raise" else block.state["mean"]
+                      for key in block.optional_state if key in saved})
     for key, own in own_state.items():
         value = saved.get(key)
         if not isinstance(value, Tensor) or value.shape != own.shape:
@@ -301,6 +303,8 @@ def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
         if not_positive:
             return (f"is negative, or 0 where this optimizer's is not, in {not_positive} of its {value.numel()} "
                     "entries (a posterior std is > 0; 0 only on an nn.Embedding's padding row)")
+    if key == "step_raise" and value < 0:
+        return "is negative (calibrate_prior's r of the mean step's covariance Sigma + r Sigma^2 is > 0)"
     if key in SQRT_COVS:  # a zero row or column makes the factor singular: one direction's variance collapsed
         zero_rows = int((~value.any(1) & own.any(1).to(value.device)).sum())
         zero_columns = int((~value.any(0) & own.any(0).to(value.device)).sum())

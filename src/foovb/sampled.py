@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .posteriors import KroneckerBlock, PosteriorBlock, full_precision
+from .posteriors import KroneckerBlock, PosteriorBlock
+from .precision import full_precision
 
 __all__ = ["SampledNetwork", "augmented_input", "check_batched_support", "stacked_samples"]
 
