@@ -10,12 +10,17 @@ matrix-variate step over the diagonal one on the same path. Then the matrix-vari
 least the diagonal step's (the same K forward/backward passes), so (diagonal step + UPDATE) / diagonal step bounds
 the matrix-variate / diagonal ratio from below at the current UPDATE.
 
-    python benchmarks/lenet_step.py [--repeats 5] [--threads 1] [--k 10] [--device cuda]
+    python benchmarks/lenet_step.py [--repeats 5] [--threads 1] [--k 10] [--device cuda] [--settings JSON]
+
+`--settings`: FOOVB keyword arguments (JSON); each family's step(closure) with them is timed after the defaults'
+rows, against the same SGD step and floor (e.g. '{"calibrate_prior": 150}': the calibrated prior's mean step,
+after a first step that is not timed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=10, help="Monte Carlo samples per step")
+    parser.add_argument("--settings", default=None, help="FOOVB keyword arguments (JSON) of extra rows")
     add_device_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,8 +87,23 @@ def main() -> None:
             name = f"{posterior} {'step_batched' if batched else 'step(closure)'}"
             print(f"| {name} | {ms:.0f} | {ms / sgd:.1f} | {ms / floor:.2f} | {ratio} |")
     diagonal = times["diagonal", False]
+    if args.settings:
+        for posterior in ("diagonal", "kronecker"):
+            torch.manual_seed(0)
+            model = lenet().to(x.device)
+            opt = FOOVB(model, posterior, mc_samples=args.k, seed=0, **json.loads(args.settings))
+            ms = median_ms(lambda opt=opt, model=model: opt.step(lambda: loss_backward(model, x, y, loss_fn)),
+                           args.repeats, warmup=1)
+            print(f"| {posterior} step(closure), {args.settings} | {ms:.0f} | {ms / sgd:.1f} | {ms / floor:.2f} | "
+                  f"{ms / times[posterior, False]:.2f} of the default's |")
     print(f"\nmatrix-variate UPDATE alone (step(closure) path): {update:.0f} ms, {update / diagonal:.2f} of the "
           f"diagonal step; matrix-variate / diagonal >= {(diagonal + update) / diagonal:.2f} at this UPDATE")
+
+
+def loss_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss
 
 
 def lenet_head() -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """calibrate_prior (foovb/calibration.py): the prior's variance scaled at the first step to an output noise, the mean
-step's covariance raised to Sigma + r Sigma^2. Checked against closed forms (the ratio of a linear model is linear in
-the prior's variance), against an optimizer built with the calibrated prior by hand, and on each path of a first
-step."""
+step taken with the uncalibrated prior's precision. Checked against closed forms (the ratio of a linear model is
+linear in the prior's variance), against an optimizer built with the calibrated prior by hand and a dense covariance,
+and on each path of a first step."""
 
 import math
 from datetime import timedelta
@@ -67,10 +67,10 @@ def test_a_linear_model_is_calibrated_to_the_target(target):
 
 
 @pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
-def test_the_first_step_is_the_calibrated_priors_raised_by_r_sigma_squared(family):
-    """The same samples as an optimizer built by hand with the calibrated prior (the calibration draws from its own
-    seeds), so the same E[g] and the same updated covariance Sigma; the mean step is (Sigma + r Sigma^2) E[g] against
-    the reference's Sigma E[g], with r = (1/f - 1) / v0: where Sigma = v0 the uncalibrated prior's v0 / f."""
+def test_the_first_step_has_the_uncalibrated_priors_precision(family):
+    """The same samples as an optimizer built by hand with the calibrated prior v0 = f V (the calibration draws from
+    its own seeds), so the same E[g] and the same updated covariance Sigma; the mean step is
+    (Sigma^-1 - 1/v0 + 1/V)^-1 E[g] against the reference's Sigma E[g], computed here from a dense Sigma."""
     x, y = data()
     model = linear()
     opt = FOOVB(model, family, mean_step=0.7, calibrate_prior=0.2 if family == "kronecker" else 2.0, seed=5,
@@ -83,25 +83,28 @@ def test_the_first_step_is_the_calibrated_priors_raised_by_r_sigma_squared(famil
     reference = FOOVB(linear(), family, mean_step=0.7, seed=5,
                       **({"alpha": 1 - factor * 0.5} if family == "kronecker" else {"std_init": 0.5 * factor**0.5}))
     reference.step(closure_of(reference.model, x, y))
-    variance = 0.5**2 * factor if family != "kronecker" else 2 * 0.5 / (10 + 2) * factor
-    raise_ = (1 / factor - 1) / variance
+    uncalibrated = 0.5**2 if family != "kronecker" else 2 * 0.5 / (10 + 2)
     for block, reference_block, mean in zip(opt.blocks, reference.blocks, start, strict=True):
-        torch.testing.assert_close(block.state["step_raise"], torch.tensor(raise_), rtol=1e-5, atol=0)
+        assert float(block.state["calibrated_prior_variance"]) == pytest.approx(uncalibrated * factor, rel=1e-5)
+        assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(uncalibrated, rel=1e-5)
         for key, value in reference_block.state.items():  # the same updated covariance
             if key != "mean":
                 torch.testing.assert_close(block.state[key], value)
-        reference_step = reference_block.state["mean"] - mean
-        if family == "diagonal":
-            expected = reference_step * (1 + raise_ * block.state["std"].square())
-        elif family == "kronecker":
-            a, b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
-            expected = reference_step + raise_ * (b @ b.T @ reference_step @ a @ a.T)
+        if family == "kronecker":  # the mean (p x n) row-major: Sigma = B B^T (x) A A^T
+            a, b = block.state["input_sqrt_cov"].double(), block.state["output_sqrt_cov"].double()
+            sigma = torch.kron(b @ b.T, a @ a.T)
+        elif family == "full":
+            a = block.state["sqrt_cov"].double()
+            sigma = a @ a.T
         else:
-            a = block.state["sqrt_cov"]
-            expected = reference_step + raise_ * (a @ (a.T @ reference_step))
-        step = block.state["mean"] - mean
-        torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-6)
-        assert step.norm() > 2 * reference_step.norm()  # the raise is not negligible here
+            sigma = torch.diag(block.state["std"].double().flatten().square())
+        swapped = torch.linalg.inv(torch.linalg.inv(sigma) - torch.eye(len(sigma), dtype=torch.float64)
+                                   * (1 / (uncalibrated * factor) - 1 / uncalibrated))
+        reference_step = (reference_block.state["mean"] - mean).double().flatten()
+        expected = swapped @ torch.linalg.solve(sigma, reference_step)  # E[g] from the reference's Sigma E[g]
+        step = (block.state["mean"] - mean).double().flatten()
+        torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-7)
+        assert step.norm() > 1.5 * reference_step.norm()  # the swap is not negligible here
     assert opt.mean_step == 0.7  # the user's step size is left as given (a schedule still scales it)
 
 
@@ -163,9 +166,9 @@ def test_the_calibration_is_saved_and_loaded():
         optimizer.step(closure_of(optimizer.model, x, y))
     for p, q in zip(opt.model.parameters(), loaded.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-    negative = {**saved, "state": {i: {**entry, "step_raise": -entry["step_raise"]}
+    negative = {**saved, "state": {i: {**entry, "calibrated_prior_variance": -entry["calibrated_prior_variance"]}
                                    for i, entry in saved["state"].items()}}
-    with pytest.raises(ValueError, match="'step_raise' is negative"):
+    with pytest.raises(ValueError, match="'calibrated_prior_variance' is not positive"):
         loaded.load_state_dict(negative)
     legacy = {**saved, "foovb": {k: v for k, v in saved["foovb"].items() if k != "prior_scale"}}
     loaded.load_state_dict(legacy)

@@ -11,6 +11,9 @@ import foovb.linalg as linalg_module
 from foovb.linalg import (
     LowRank,
     left_singular_pairs,
+    prior_swapped,
+    prior_swapped_kronecker_product,
+    prior_swapped_product,
     root_scale,
     signed_root_scale,
     solve_fixed_point,
@@ -419,3 +422,38 @@ def test_also_scaled_is_the_solution_for_the_scaled_statistic(rank):
     torch.testing.assert_close(new, sqrt_covariance_update(a, t))
     want = sqrt_covariance_update(a, t.scaled(2.5))
     torch.testing.assert_close(scaled @ scaled.T, want @ want.T)
+
+
+def test_prior_swapped_closed_forms():
+    """1 / (1/s - 1/v0 + 1/V): the prior itself becomes the new prior, a variance far below both stays, 0 stays 0,
+    and a variance above the prior (the diagonal family's sigma may grow) is taken as the prior."""
+    prior, new_prior = torch.tensor(0.1), torch.tensor(0.4)
+    variances = torch.tensor([0.1, 1e-6, 0.0, 0.3, 0.05], dtype=torch.float64)
+    swapped = prior_swapped(variances, prior, new_prior)
+    assert swapped[0] == pytest.approx(0.4)
+    assert swapped[1] == pytest.approx(1e-6, rel=1e-5)
+    assert swapped[2] == 0
+    assert swapped[3] == pytest.approx(0.4)
+    assert swapped[4] == pytest.approx(1 / (20 - 10 + 2.5))
+    assert swapped.dtype == torch.float64
+
+
+def test_prior_swapped_products_match_the_dense_covariance(gen):
+    """The eigenbasis routes against (Sigma^-1 - 1/v0 + 1/V)^-1 formed densely, for Sigma = A A^T and for the
+    Kronecker product of two factors (the mean's p x n layout, row-major: B B^T (x) A A^T)."""
+    prior, new_prior = torch.tensor(1.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)
+
+    def shrunk(n: int) -> torch.Tensor:  # a square root with A A^T <= I, as Lemma 2 leaves a prior of variance 1
+        q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+        return q * torch.rand(n, generator=gen, dtype=torch.float64).mul(0.9).add(0.05)
+
+    def dense(sigma: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(len(sigma), dtype=torch.float64)
+        return torch.linalg.inv(torch.linalg.inv(sigma) - eye / prior + eye / new_prior)
+
+    a, b = shrunk(5), shrunk(3)
+    vector = torch.randn(5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(prior_swapped_product(vector, a, prior, new_prior), dense(a @ a.T) @ vector)
+    matrix = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    expected = (dense(torch.kron(b @ b.T, a @ a.T)) @ matrix.flatten()).reshape(3, 5)
+    torch.testing.assert_close(prior_swapped_kronecker_product(matrix, a, b, prior, new_prior), expected)

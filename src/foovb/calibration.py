@@ -12,13 +12,20 @@ noise on the step's batch,
 is at most 1.1 TARGET (10 samples from the inspection noise, the training noise stream untouched; the model in eval
 mode, so that batch norm reads its running statistics). A prior already below it is left as it is.
 
-The calibration removes noise, not plasticity: where the prior's variance was scaled by f (`prior_scale`), the mean
-step's covariance becomes Sigma + r Sigma^2 with r = (1/f - 1) / v0, v0 the calibrated prior's variance per weight
-(each block's `state["step_raise"]`). Where the posterior is still the prior (Sigma = v0) that is v0 / f, the
-uncalibrated prior's step (about eta B sigma^2 as an SGD learning rate); where the likelihood has taken over
-(Sigma << v0) it is Sigma, the step of the algorithm. Session 42 divided the mean step by f for good instead: on the
-robustness grid that kept the raise after the likelihood had taken over, and the tuning half's LeNet and CNN cells
-lost 1-4 points of average against this one (docs/results/default_probes.md).
+The calibration removes noise, not plasticity: the samples are drawn from the calibrated posterior, but the mean step
+is taken with the uncalibrated prior's precision, its covariance
+
+    (Sigma^-1 - 1 / v0 + 1 / V)^-1,    v0 = f V,
+
+with V the prior's variance per weight before the calibration, v0 after it and f the factor (`prior_scale`; each
+block keeps v0 and V in its state). Where the posterior is still the prior (Sigma = v0) that is V, the uncalibrated
+prior's step (about eta B V as an SGD learning rate); where the likelihood has taken over (Sigma^-1 >> 1 / v0) it is
+Sigma, the algorithm's step; in between it is at most the step of the uncalibrated prior's posterior, so it keeps the
+implicit step's bound on a quadratic. The matrix-variate family takes it in the eigenbases of its two factors (two
+symmetric eigendecompositions per layer and step). Tried first (session 43, docs/results/default_probes.md): eta / f
+for good (session 42), which keeps the raise after the likelihood has taken over; and Sigma + (1/f - 1) Sigma^2 / v0,
+which can pass a quadratic's minimum (2.6 times the distance at Sigma = v0 / 2 for f = 0.16) and let a regression net
+of the grid jump to a loss of 1,234.
 """
 
 from __future__ import annotations
@@ -86,19 +93,21 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
         factor *= shrink
     if factor < 1:
         for block in blocks:
-            block.state["step_raise"] = (1 / factor - 1) / variance_per_weight(block)
+            block.state["calibrated_prior_variance"] = variance_per_weight(block)
+            block.state["uncalibrated_prior_variance"] = block.state["calibrated_prior_variance"] / factor
     return factor
 
 
 def variance_per_weight(block: PosteriorBlock) -> Tensor:
     """The mean of the diagonal of a block's covariance (0-dim, in the mean's dtype): its prior's variance per weight
     at the first step, where every family's covariance is a multiple of the identity."""
-    if isinstance(block, KroneckerBlock):  # diag(A A^T (x) B B^T) = outer product of the factors' diagonals
+    if block.family == "kronecker":  # diag(A A^T (x) B B^T) = outer product of the factors' diagonals
         return (block.state["input_sqrt_cov"].square().sum(1).mean()
                 * block.state["output_sqrt_cov"].square().sum(1).mean())
-    if isinstance(block, DiagonalBlock):
+    if block.family == "diagonal":
         return block.state["std"].square().mean()
     return block.state["sqrt_cov"].square().sum(1).mean()
+
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

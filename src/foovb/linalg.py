@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["LowRank", "left_singular_pairs", "root_scale", "signed_root_scale", "solve_fixed_point",
-           "sqrt_covariance_update"]
+           "sqrt_covariance_update", "prior_swapped", "prior_swapped_product", "prior_swapped_kronecker_product"]
 
 
 def root_scale(singular_values: Tensor) -> Tensor:
@@ -228,3 +228,30 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     if also_scaled is None:
         return new
     return new, a + (a_u * (root_scale(s * also_scaled) - 1.0).to(a.dtype)) @ u.T
+
+
+def prior_swapped(variances: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
+    """1 / (1 / variances - 1 / prior + 1 / new_prior), elementwise (a variance above `prior` taken as `prior`): the
+    eigenvalues of a posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior`
+    (calibrate_prior's mean step, `foovb.calibration`). A variance equal to `prior` becomes `new_prior`; one far below
+    both stays as it is."""
+    prior, new_prior = prior.to(variances.dtype), new_prior.to(variances.dtype)
+    return 1 / (1 / variances.clamp(max=prior) - 1 / prior + 1 / new_prior)
+
+
+def prior_swapped_product(vector: Tensor, sqrt_cov: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
+    """`prior_swapped`(Sigma) times `vector`, for Sigma = A A^T, in Sigma's eigenbasis (float64)."""
+    variances, u = torch.linalg.eigh((sqrt_cov @ sqrt_cov.T).double())
+    product = u @ (prior_swapped(variances.clamp_min(0), prior, new_prior) * (u.T @ vector.double()))
+    return product.to(vector.dtype)
+
+
+def prior_swapped_kronecker_product(matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Tensor, prior: Tensor,
+                                    new_prior: Tensor) -> Tensor:
+    """`prior_swapped`(Sigma) times `matrix` (p x n) for Sigma = A A^T (x) B B^T, whose eigenvalues are the products of
+    the factors' (float64): W ((W^T matrix U) * prior_swapped(mu lambda^T)) U^T."""
+    input_variances, u = torch.linalg.eigh((input_sqrt_cov @ input_sqrt_cov.T).double())
+    output_variances, w = torch.linalg.eigh((output_sqrt_cov @ output_sqrt_cov.T).double())
+    products = (output_variances[:, None] * input_variances[None, :]).clamp_min(0)
+    rotated = w.T @ matrix.double() @ u
+    return (w @ (rotated * prior_swapped(products, prior, new_prior)) @ u.T).to(matrix.dtype)

@@ -82,7 +82,7 @@ class _Progress:
     pending: Step | None = None  # a step begun by sampled_params(train=True) blocks
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
-    prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (the blocks keep its step_raise)
+    prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (foovb.calibration)
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -188,7 +188,7 @@ class FOOVB(Persistence):
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "
                                      "step, or None (`foovb.calibration`).")
     prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
-                            "the first steps keep the uncalibrated prior's size (`foovb.calibration`).")
+                            "the mean step keeps the uncalibrated prior's precision (`foovb.calibration`).")
 
     @property
     def sample_shard(self) -> range:
@@ -378,8 +378,8 @@ class FOOVB(Persistence):
         self._progress.prior_variances.update({block: _mean_variance(block) for block in first})  # for the advice
         try:
             mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
-                                     self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken, self.std_growth,
-                                     pending.seed)
+                                     self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken,
+                                     self.std_growth, pending.seed)
         except BaseException as error:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update

@@ -20,11 +20,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .linalg import LowRank, root_scale, signed_root_scale, sqrt_covariance_update
+from .linalg import (
+    LowRank,
+    prior_swapped,
+    prior_swapped_kronecker_product,
+    prior_swapped_product,
+    root_scale,
+    signed_root_scale,
+    sqrt_covariance_update,
+)
 
 __all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "PosteriorView", "FAMILIES"]
 
 FAMILIES = ("diagonal", "kronecker", "full")
+CALIBRATED = ("calibrated_prior_variance", "uncalibrated_prior_variance")  # the mean step's priors (calibration)
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,8 @@ class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
     family: str
-    # state entries that appear only after the first update; "step_raise": r of calibrate_prior (`foovb.calibration`)
-    optional_state: tuple[str, ...] = ("step_raise",)
+    # state entries that appear only after the first update (calibrate_prior's v0 and V: `foovb.calibration`)
+    optional_state: tuple[str, ...] = CALIBRATED
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
     statistic_powers: dict[str, int] = {}
@@ -158,7 +167,7 @@ class DiagonalBlock(PosteriorBlock):
     """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
 
     family = "diagonal"
-    optional_state = ("grad_noise_average", "step_raise")
+    optional_state = ("grad_noise_average", *CALIBRATED)
     noise_reusable = True
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
@@ -250,8 +259,8 @@ class DiagonalBlock(PosteriorBlock):
             std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
-        if "step_raise" in self.state:  # calibrate_prior: sigma^2 + r sigma^4 (foovb.calibration)
-            variance = variance + self.state["step_raise"] * variance.square()
+        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
+            variance = prior_swapped(variance, *(self.state[key] for key in CALIBRATED))
         if self.curvature_damping:  # (validated: with implicit_mean only)
             variance.mul_(self.damping(curvature, spread, mean_step))
         self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
@@ -399,10 +408,10 @@ class KroneckerBlock(PosteriorBlock):
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
         self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
-        step = b @ (b.T @ e1 @ a) @ a.T
-        if "step_raise" in self.state:  # calibrate_prior: (Sigma + r Sigma^2) E1 (foovb.calibration)
-            step += self.state["step_raise"] * (b @ (b.T @ step @ a) @ a.T)
-        mean.sub_(mean_step * step)
+        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
+            mean.sub_(mean_step * prior_swapped_kronecker_product(e1, a, b, *(self.state[key] for key in CALIBRATED)))
+        else:
+            mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])
@@ -463,9 +472,10 @@ class FullBlock(PosteriorBlock):
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
         grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
         self.state["sqrt_cov"], a = self.updated_and_step_factor(a, grad_noise, step_tempering(mean_step, cov_step))
-        step = a @ (a.T @ stats["grad_sum"])
-        if "step_raise" in self.state:  # calibrate_prior: (Sigma + r Sigma^2) E1 (foovb.calibration)
-            step += self.state["step_raise"] * (a @ (a.T @ step))
+        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
+            step = prior_swapped_product(stats["grad_sum"], a, *(self.state[key] for key in CALIBRATED))
+        else:
+            step = a @ (a.T @ stats["grad_sum"])
         self.state["mean"].sub_(mean_step * step / num_samples)
 
     def mean_values(self) -> list[Tensor]:

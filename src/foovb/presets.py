@@ -67,9 +67,10 @@ The arguments of FOOVB:
     calibrate_prior: None, or the output noise a prior may make (e.g. 150): before the first step every block's
         prior variance is scaled down by one factor until the sampled networks' outputs on the step's batch differ
         from the mean network's by at most about this many times the spread of the mean's outputs over the batch
-        (summed squares; 143 for the paper's MLP as torch initialises it, 1,188 for the LeNet); the mean step's
-        covariance is then Sigma + r Sigma^2, which is the uncalibrated prior's where the posterior is still the prior
-        and Sigma where the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
+        (summed squares; 143 for the paper's MLP as torch initialises it, 1,188 for the LeNet); the samples come from
+        the calibrated posterior, the mean step takes the uncalibrated prior's precision, (Sigma^-1 - 1/v0 + 1/V)^-1:
+        the uncalibrated prior's step V where the posterior is still the prior (Sigma = v0), the algorithm's Sigma where
+        the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
@@ -89,7 +90,7 @@ import math
 import torch
 from torch import Tensor
 
-from .posteriors import FAMILIES, PosteriorBlock
+from .posteriors import CALIBRATED, FAMILIES, PosteriorBlock
 from .priors import AUTO, XAVIER
 from .validation import is_boolean, is_integer, is_real
 
@@ -278,7 +279,7 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict) -> None
     are: Lemma 2 keeps them nonsingular). O(size): no decomposition."""
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
-    own_state.update({key: block.state["mean"].new_zeros(()) if key == "step_raise" else block.state["mean"]
+    own_state.update({key: block.state["mean"].new_zeros(()) if key in CALIBRATED else block.state["mean"]
                       for key in block.optional_state if key in saved})
     for key, own in own_state.items():
         value = saved.get(key)
@@ -303,8 +304,8 @@ def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
         if not_positive:
             return (f"is negative, or 0 where this optimizer's is not, in {not_positive} of its {value.numel()} "
                     "entries (a posterior std is > 0; 0 only on an nn.Embedding's padding row)")
-    if key == "step_raise" and value < 0:
-        return "is negative (calibrate_prior's r of the mean step's covariance Sigma + r Sigma^2 is > 0)"
+    if key in CALIBRATED and not value > 0:
+        return "is not positive (calibrate_prior's prior variance per weight, for the mean step)"
     if key in SQRT_COVS:  # a zero row or column makes the factor singular: one direction's variance collapsed
         zero_rows = int((~value.any(1) & own.any(1).to(value.device)).sum())
         zero_columns = int((~value.any(0) & own.any(0).to(value.device)).sum())
