@@ -20,12 +20,12 @@ is taken with the uncalibrated prior's precision, its covariance
 with V the prior's variance per weight before the calibration, v0 after it and f the factor (`prior_scale`; each
 block keeps v0 and V in its state). Where the posterior is still the prior (Sigma = v0) that is V, the uncalibrated
 prior's step (about eta B V as an SGD learning rate); where the likelihood has taken over (Sigma^-1 >> 1 / v0) it is
-Sigma, the algorithm's step; in between it is at most the step of the uncalibrated prior's posterior, so it keeps the
-implicit step's bound on a quadratic. The matrix-variate family takes it in the eigenbases of its two factors (two
+Sigma, the algorithm's step; in between it is never more than V, nor than the inverse of the precision the likelihood
+has added, (Sigma^-1 - 1 / v0)^-1: bounded by the curvature the steps measured. The matrix-variate family takes it in the eigenbases of its two factors (two
 symmetric eigendecompositions per layer and step). Tried first (session 43, docs/results/default_probes.md): eta / f
 for good (session 42), which keeps the raise after the likelihood has taken over; and Sigma + (1/f - 1) Sigma^2 / v0,
-which can pass a quadratic's minimum (2.6 times the distance at Sigma = v0 / 2 for f = 0.16) and let a regression net
-of the grid jump to a loss of 1,234.
+which at Sigma = v0 / 2 is 1 + (1/f - 1) / 2 times the algorithm's step (3.6 times at f = 0.16), passes a quadratic's
+minimum there and let a regression net of the grid jump to a loss of 1,234.
 """
 
 from __future__ import annotations
