@@ -426,15 +426,16 @@ def test_also_scaled_is_the_solution_for_the_scaled_statistic(rank):
 
 def test_prior_swapped_closed_forms():
     """1 / (1/s - 1/v0 + 1/V): the prior itself becomes the new prior, a variance far below both stays, 0 stays 0,
-    and a variance above the prior (the diagonal family's sigma may grow) is taken as the prior."""
+    and a variance above the prior (the diagonal family's sigma may grow) is taken as the prior, never made smaller."""
     prior, new_prior = torch.tensor(0.1), torch.tensor(0.4)
-    variances = torch.tensor([0.1, 1e-6, 0.0, 0.3, 0.05], dtype=torch.float64)
+    variances = torch.tensor([0.1, 1e-6, 0.0, 0.3, 0.05, 0.5], dtype=torch.float64)
     swapped = prior_swapped(variances, prior, new_prior)
     assert swapped[0] == pytest.approx(0.4)
     assert swapped[1] == pytest.approx(1e-6, rel=1e-5)
     assert swapped[2] == 0
     assert swapped[3] == pytest.approx(0.4)
     assert swapped[4] == pytest.approx(1 / (20 - 10 + 2.5))
+    assert swapped[5] == 0.5  # above the new prior as well: the variance itself
     assert swapped.dtype == torch.float64
 
 

@@ -21,11 +21,12 @@ with V the prior's variance per weight before the calibration, v0 after it and f
 block keeps v0 and V in its state). Where the posterior is still the prior (Sigma = v0) that is V, the uncalibrated
 prior's step (about eta B V as an SGD learning rate); where the likelihood has taken over (Sigma^-1 >> 1 / v0) it is
 Sigma, the algorithm's step; in between it is never more than V, nor than the inverse of the precision the likelihood
-has added, (Sigma^-1 - 1 / v0)^-1: bounded by the curvature the steps measured. The matrix-variate family takes it in the eigenbases of its two factors (two
-symmetric eigendecompositions per layer and step). Tried first (session 43, docs/results/default_probes.md): eta / f
-for good (session 42), which keeps the raise after the likelihood has taken over; and Sigma + (1/f - 1) Sigma^2 / v0,
-which at Sigma = v0 / 2 is 1 + (1/f - 1) / 2 times the algorithm's step (3.6 times at f = 0.16), passes a quadratic's
-minimum there and let a regression net of the grid jump to a loss of 1,234.
+has added, (Sigma^-1 - 1 / v0)^-1: bounded by the curvature the steps measured. The matrix-variate family takes it in
+the eigenbases of its two factors (two symmetric eigendecompositions per layer and step). Tried first (session 43,
+docs/results/default_probes.md): eta / f for good (session 42), which keeps the raise after the likelihood has taken
+over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 1) / 2 times the algorithm's step
+(3.6 times at f = 0.16), passes a quadratic's minimum there and let a regression net of the grid jump to a loss of
+1,234.
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ def variance_per_weight(block: PosteriorBlock) -> Tensor:
     if block.family == "diagonal":
         return block.state["std"].square().mean()
     return block.state["sqrt_cov"].square().sum(1).mean()
-
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

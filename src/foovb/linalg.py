@@ -231,12 +231,12 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
 
 
 def prior_swapped(variances: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
-    """1 / (1 / variances - 1 / prior + 1 / new_prior), elementwise (a variance above `prior` taken as `prior`): the
-    eigenvalues of a posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior`
-    (calibrate_prior's mean step, `foovb.calibration`). A variance equal to `prior` becomes `new_prior`; one far below
-    both stays as it is."""
+    """1 / (1 / variances - 1 / prior + 1 / new_prior), elementwise, for `new_prior` >= `prior`: the eigenvalues of a
+    posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior` (calibrate_prior's mean
+    step, `foovb.calibration`). A variance equal to `prior` becomes `new_prior`, one far below both stays as it is; one
+    above `prior` (the diagonal family's sigma may grow) is taken as `prior`, and never made smaller."""
     prior, new_prior = prior.to(variances.dtype), new_prior.to(variances.dtype)
-    return 1 / (1 / variances.clamp(max=prior) - 1 / prior + 1 / new_prior)
+    return torch.maximum(1 / (1 / variances.clamp(max=prior) - 1 / prior + 1 / new_prior), variances)
 
 
 def prior_swapped_product(vector: Tensor, sqrt_cov: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
