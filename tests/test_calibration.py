@@ -208,3 +208,110 @@ def test_paths_without_the_batch_say_so_and_bad_values_are_refused(tmp_path: Pat
             distribute(FOOVB(linear(), "diagonal", 4, calibrate_prior=2.0), "data")
     finally:
         dist.destroy_process_group()
+
+
+class AsDict(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, inputs: torch.Tensor) -> dict:
+        return {"logits": self.net(inputs)}
+
+
+@pytest.mark.parametrize("case", ["one row", "zero head", "dict output"])
+def test_nothing_to_compare_with_is_said_and_leaves_the_prior(case):
+    """The ratio's denominator is how the mean's outputs vary over the batch: for a batch of one row or a constant
+    output there is none (the variance used to shrink 20x in each of the 10 rounds), for a dict output no tensor."""
+    x, y = data()
+    model = nn.Sequential(linear(), nn.Tanh(), nn.Linear(3, 3))
+    if case == "zero head":
+        with torch.no_grad():
+            model[2].weight.zero_()
+            model[2].bias.zero_()
+    if case == "one row":
+        x, y = x[:1], y[:1]
+    wrapped = AsDict(model) if case == "dict output" else model
+    opt = FOOVB(wrapped, "kronecker", calibrate_prior=0.5, seed=0)
+    before = [block.state["input_sqrt_cov"].clone() for block in opt.blocks]
+    with pytest.warns(UserWarning, match="not a tensor" if case == "dict output" else "do not vary"):
+        opt.step(closure_of(lambda inputs: model(inputs) if wrapped is model else wrapped(inputs)["logits"], x, y))
+    assert opt.prior_scale == 1.0
+    for block, factor in zip(opt.blocks, before, strict=True):
+        assert "calibrated_prior_variance" not in block.state
+        assert block.state["input_sqrt_cov"].abs().max() > 0.5 * factor.abs().max()  # not shrunk 10^13-fold
+
+
+def test_a_target_out_of_reach_is_said():
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", std_init=1.0, calibrate_prior=1e-300, seed=0)
+    with pytest.warns(UserWarning, match="calibrate_prior=1e-300 was not reached"):
+        opt.step(closure_of(model, x, y))
+    assert opt.prior_scale == pytest.approx(0.05**10)
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker"])
+def test_a_first_step_that_fails_after_the_calibration_leaves_the_prior_as_it_was(family):
+    """The calibration runs before the samples: a sample that raises undoes it, and the next step calibrates from
+    the uncalibrated prior (its V was once taken from the already calibrated one)."""
+    x, y = data()
+    model = nn.Sequential(linear(), nn.Tanh(), nn.Linear(3, 3))
+    opt = FOOVB(model, family, calibrate_prior=0.5, seed=0)
+    prior = {key: value.clone() for block in opt.blocks for key, value in block.state.items() if key != "mean"}
+    calls = []
+
+    def failing() -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:  # the calibration's call, then the first sample's, then this one
+            raise RuntimeError("a data loader's error")
+        return closure_of(model, x, y)()
+
+    with pytest.raises(RuntimeError, match="data loader"):
+        opt.step(failing)
+    assert opt.prior_scale == 1.0 and opt.steps_taken == 0
+    after = {key: value for block in opt.blocks for key, value in block.state.items() if key != "mean"}
+    assert after.keys() == prior.keys()
+    for key, value in prior.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+    opt.step(closure_of(model, x, y))
+    fresh = FOOVB(nn.Sequential(linear(), nn.Tanh(), nn.Linear(3, 3)), family, calibrate_prior=0.5, seed=0)
+    fresh.step(closure_of(fresh.model, x, y))
+    assert opt.prior_scale == pytest.approx(fresh.prior_scale)
+    for block, fresh_block in zip(opt.blocks, fresh.blocks, strict=True):
+        torch.testing.assert_close(block.state["uncalibrated_prior_variance"],
+                                   fresh_block.state["uncalibrated_prior_variance"])
+
+
+def test_a_refused_first_step_leaves_the_prior_as_it_was():
+    """The calibration runs before the step's checks; a step they refuse (here a batch_size of 0) undoes it."""
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        opt.step(closure_of(model, x, y), batch_size=0)
+    assert opt.prior_scale == 1.0
+    assert all(float(block.state["std"].min()) == 1.0 and "calibrated_prior_variance" not in block.state
+               for block in opt.blocks)
+
+
+
+def test_a_forward_that_fails_during_the_calibration_leaves_the_prior_as_it_was():
+    x, y = data()
+    model = linear()
+    opt = FOOVB(model, "diagonal", std_init=1.0, calibrate_prior=2.0, seed=0)
+    forwards = []
+
+    def failing_forward(module, inputs, output):
+        forwards.append(1)
+        if len(forwards) == 4:  # the closure's call, the mean's output, then inside the calibration's samples
+            raise RuntimeError("out of memory")
+
+    handle = model.register_forward_hook(failing_forward)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        opt.step(closure_of(model, x, y))
+    handle.remove()
+    assert opt.prior_scale == 1.0
+    assert all(float(block.state["std"].min()) == 1.0 for block in opt.blocks)
+    opt.step(closure_of(model, x, y))
+    assert float(opt.blocks[0].state["uncalibrated_prior_variance"]) == pytest.approx(1.0)

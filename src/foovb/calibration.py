@@ -31,13 +31,14 @@ over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .engine import RunningStatistics
-from .posteriors import DiagonalBlock, KroneckerBlock, PosteriorBlock
+from .posteriors import CALIBRATED, DiagonalBlock, KroneckerBlock, PosteriorBlock
 
 SAMPLES = 10  # sampled networks per measurement
 ROUNDS = 10  # measurements at most
@@ -54,10 +55,16 @@ def first_tensor(output: object) -> Tensor | None:
     return None
 
 
+def batch_spread(mean_output: Tensor) -> Tensor:
+    """How much the mean network's outputs vary over the batch: summed squares about their mean over the rows."""
+    mean_output = mean_output.detach().double()
+    return (mean_output - mean_output.mean(0)).square().sum()
+
+
 def noise_ratio(mean_output: Tensor, sample_outputs: Sequence[Tensor]) -> float:
     """The samples' output noise over the mean network's output spread across the batch (rows: the first axis)."""
+    spread = batch_spread(mean_output).clamp_min(1e-30)
     mean_output = mean_output.detach().double()
-    spread = (mean_output - mean_output.mean(0)).square().sum().clamp_min(1e-30)
     return sum(float((out.detach().double() - mean_output).square().sum() / spread)
                for out in sample_outputs) / len(sample_outputs)
 
@@ -80,14 +87,25 @@ def scale_prior_variance(blocks: Sequence[PosteriorBlock], factor: float) -> Non
 def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], Tensor | None], target: float) -> float:
     """Scale the blocks' prior variance down until `noise_ratio` is at most SLACK x `target`; returns the factor
     (1.0: unchanged). `outputs(seed)`: the model's output on the batch at the mean (seed None) or at the sampled
-    network of inspection seed `seed`; None where the output is not a tensor (nothing is then changed)."""
+    network of inspection seed `seed`; None where the output is not a tensor. Where there is nothing to compare
+    with (no tensor, outputs that do not vary over the batch) or the target is not reached, a warning says so."""
     mean_output = outputs(None)
-    if mean_output is None:
+    if mean_output is None or not float(batch_spread(mean_output)) > 0:
+        warnings.warn("FOOVB: calibrate_prior compares the sampled networks' outputs with how the mean network's "
+                      "outputs vary over the step's batch, and " + (
+                          "the model's output is not a tensor, nor a tuple or list whose first tensor is the output"
+                          if mean_output is None else "they do not vary (a batch of one row, or a constant output "
+                          "such as a zero-initialised head)") + ": the prior was not calibrated", stacklevel=5)
         return 1.0
     factor = 1.0
-    for _ in range(ROUNDS):
+    for round_number in range(ROUNDS + 1):
         ratio = noise_ratio(mean_output, [outputs(seed) for seed in range(SAMPLES)])
         if not ratio > SLACK * target:  # also where the ratio is NaN: the first step's checks report it
+            break
+        if round_number == ROUNDS:
+            warnings.warn(f"FOOVB: calibrate_prior={target:g} was not reached: after {ROUNDS} rounds the prior's "
+                          f"variance is {factor:.3g} times what it was and the output noise is still {ratio:.3g} (a "
+                          "target too small for the model, or a first batch of nearly identical rows?)", stacklevel=5)
             break
         shrink = max((target / ratio) ** 0.5, MIN_SHRINK)  # half the way, in log: the ratio is not linear in it
         scale_prior_variance(blocks, shrink)
@@ -108,6 +126,22 @@ def variance_per_weight(block: PosteriorBlock) -> Tensor:
     if block.family == "diagonal":
         return block.state["std"].square().mean()
     return block.state["sqrt_cov"].square().sum(1).mean()
+
+
+def covariances(blocks: Sequence[PosteriorBlock]) -> dict[PosteriorBlock, dict[str, Tensor]]:
+    """Copies of every block's covariance (its state but the mean), for `restore_covariances`."""
+    return {block: {key: value.clone() for key, value in block.state.items() if key != "mean"} for block in blocks}
+
+
+@torch.no_grad()
+def restore_covariances(saved: dict[PosteriorBlock, dict[str, Tensor]]) -> None:
+    """The covariances `covariances` copied, in place, and the calibration's entries removed: a first step that
+    failed after the calibration leaves the prior as it was."""
+    for block, entries in saved.items():
+        for key in CALIBRATED:
+            block.state.pop(key, None)
+        for key, value in entries.items():
+            block.state[key].copy_(value)
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

@@ -13,7 +13,6 @@ size; there is no silent default for it.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .calibration import calibrate, first_model_call, first_tensor
+from .advice import divergence_advice, mean_variance
+from .calibration import calibrate, covariances, first_model_call, first_tensor, restore_covariances
 from .engine import (
     RunningStatistics,
     Sample,
@@ -37,7 +37,7 @@ from .engine import (
     stacking_is_slower,
 )
 from .persistence import Persistence
-from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView
+from .posteriors import PosteriorBlock, PosteriorView
 from .precision import drop_autocast_cache, full_precision
 from .presets import (
     FIXED,
@@ -83,6 +83,7 @@ class _Progress:
     sample_loaded: bool = False  # the model holds a sampled network that the optimizer loaded, not the mean
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
     prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (foovb.calibration)
+    uncalibrated: dict | None = None  # the covariances before calibrate_prior, until the first update succeeds
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -272,6 +273,7 @@ class FOOVB(Persistence):
             self._pending = None
             pending.running.restore()
             self.load_mean_into_model()
+            self._undo_calibration()
             raise
         return self._finish_step()  # E[g], E[g eps^T] -> the UPDATE of every block, the new mean loaded
 
@@ -343,12 +345,16 @@ class FOOVB(Persistence):
         check_same_parameters(self.model, self.blocks, training=False)
 
     def _start_step(self, batch_size: int | None) -> Step:
-        if batch_size is not None:
-            check_batch_size(batch_size, self.loss_reduction)
-        check_param_group(self.param_groups[0], self._fixed)
-        refuse_accumulated_gradients(self.blocks)
-        check_same_parameters(self.model, self.blocks)
-        self._adopt_model_weights()
+        try:
+            if batch_size is not None:
+                check_batch_size(batch_size, self.loss_reduction)
+            check_param_group(self.param_groups[0], self._fixed)
+            refuse_accumulated_gradients(self.blocks)
+            check_same_parameters(self.model, self.blocks)
+            self._adopt_model_weights()
+        except BaseException:  # a refused step changes nothing: neither does its calibration
+            self._undo_calibration()
+            raise
         blocks = trainable_blocks(self.blocks)
         self._pending = Step(self._next_seed(), blocks, self.blocks, self.model, self.antithetic, self.loss_reduction,
                              {block: block.new_statistics() for block in blocks}, RunningStatistics(self.model),
@@ -375,7 +381,7 @@ class FOOVB(Persistence):
             means_before = [block.state["mean"].clone() for block in pending.stats]
             grads_before = mean_gradients(pending.stats, self.mc_samples)
         first = [block for block in pending.stats if block not in self._progress.first_mean_norms]
-        self._progress.prior_variances.update({block: _mean_variance(block) for block in first})  # for the advice
+        self._progress.prior_variances.update({block: mean_variance(block) for block in first})  # for the advice
         try:
             mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
                                      self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken,
@@ -383,12 +389,14 @@ class FOOVB(Persistence):
         except BaseException as error:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
+            self._undo_calibration()
             if isinstance(error, FloatingPointError) and self.steps_taken:
                 raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
         self.load_mean_into_model()
         self.steps_taken += 1
+        self._progress.uncalibrated = None
         try:
             if self.secant_check:
                 self._cut_at_secant(pending, means_before, grads_before)
@@ -411,10 +419,14 @@ class FOOVB(Persistence):
             with self.sampled_params(seed=seed):
                 return first_tensor(self.model(*args, **kwargs))
 
+        self._progress.uncalibrated = covariances(self.blocks)
         was_training = self.model.training
         self.model.eval()
         try:
             self.prior_scale *= calibrate(self.blocks, outputs, self.calibrate_prior)
+        except BaseException:  # the model's forward failed on a sampled network: the prior as it was
+            self._undo_calibration()
+            raise
         finally:
             self.model.train(was_training)
 
@@ -429,6 +441,12 @@ class FOOVB(Persistence):
         if fraction < 1:
             cut_mean_steps(list(pending.stats), means_before, fraction)
             self.load_mean_into_model()
+
+    def _undo_calibration(self) -> None:
+        """The prior as it was before calibrate_prior, where the first step failed after the calibration."""
+        if self._progress.uncalibrated is not None:
+            restore_covariances(self._progress.uncalibrated)
+            self._progress.uncalibrated, self.prior_scale = None, 1.0
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> Tensor:
@@ -452,39 +470,6 @@ class FOOVB(Persistence):
             pending.evaluate_stacked(self.sample_shard, inputs, targets, loss_fn, chunk)
         except BaseException:  # the posterior is unchanged
             self._pending = None
+            self._undo_calibration()
             raise
         return self.step()  # through step(), as an own loop: LR schedulers and step hooks see one optimizer step
-
-
-
-
-def _mean_variance(block: PosteriorBlock) -> float:
-    """The mean marginal variance of a block's parameters."""
-    return float(torch.stack([block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
-
-
-def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
-    """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
-    effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
-    what to pass. The posterior is the last step's (a refused update is undone)."""
-    growth = {block: float(block.state["mean"].norm()) / max(norm, 1e-12)
-              for block, norm in opt._progress.first_mean_norms.items()}
-    if not growth:
-        return "No update succeeded before this one"
-    block = max(growth, key=growth.get)
-    names = {id(module): name for name, module in opt.model.named_modules()}
-    name = names.get(id(block.module), "?") or "(the model itself)"
-    variance = opt._progress.prior_variances[block]
-    rate = opt.mean_step / opt.prior_scale * variance * (grad_scale or 1.0)
-    if not opt.implicit_mean:
-        fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
-    else:
-        coupled = ("curvature_damping=True (weights whose curvature is coupled), posterior='kronecker', "
-                   if opt.posterior_family == "diagonal" and not opt.curvature_damping else "")
-        prior = (f"a larger alpha (the prior's variance is 2 (1 - alpha) / (fan_in + 2); e.g. "
-                 f"alpha={(1 + opt.param_groups[0]['alpha']) / 2:g})" if isinstance(block, KroneckerBlock)
-                 else f"a smaller std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
-        fix = f"pass {coupled}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
-    return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
-            f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
-            f"terms) was {rate:.3g}; {fix}")
