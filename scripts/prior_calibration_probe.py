@@ -1,6 +1,7 @@
 """The robustness grid with a prior calibrated on the first batch: a hypothesis for issue 54 (session 41), since
-session 42 the library's `foovb.calibration` (FOOVB(calibrate_prior=...) with the whole step kept is `--keep-step`;
-this probe also runs the calibration with the step as given or half kept).
+session 42 the library's `foovb.calibration` for the calibration itself. The step is this probe's own: as given,
+eta divided by the factor (`--keep-step`, what FOOVB(calibrate_prior=...) did in session 42) or by its square root;
+FOOVB(calibrate_prior=...) now steps with the uncalibrated prior's precision instead (session 43).
 
 Before the first step, every FOO-VB learner's prior variance is scaled down by one factor (for all blocks alike)
 until the sampled networks' outputs on the cell's first batch differ from the mean network's by at most `--calibrate`

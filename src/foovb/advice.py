@@ -6,19 +6,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
-
-from .posteriors import KroneckerBlock, PosteriorBlock
+from .posteriors import KroneckerBlock
 
 if TYPE_CHECKING:
     from .optimizer import FOOVB
 
-__all__ = ["divergence_advice", "mean_variance"]
-
-
-def mean_variance(block: PosteriorBlock) -> float:
-    """The mean marginal variance of a block's parameters."""
-    return float(torch.stack([block.view(i).std.square().mean() for i in range(len(block.params))]).mean())
+__all__ = ["divergence_advice"]
 
 
 def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:

@@ -119,7 +119,8 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
 
 def variance_per_weight(block: PosteriorBlock) -> Tensor:
     """The mean of the diagonal of a block's covariance (0-dim, in the mean's dtype): its prior's variance per weight
-    at the first step, where every family's covariance is a multiple of the identity."""
+    at the first step, where every family's covariance is a multiple of the identity (calibrate_prior's v0, and the
+    divergence advice's first effective learning rate)."""
     if block.family == "kronecker":  # diag(A A^T (x) B B^T) = outer product of the factors' diagonals
         return (block.state["input_sqrt_cov"].square().sum(1).mean()
                 * block.state["output_sqrt_cov"].square().sum(1).mean())

@@ -20,8 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .advice import divergence_advice, mean_variance
-from .calibration import calibrate, covariances, first_model_call, first_tensor, restore_covariances
+from .advice import divergence_advice
+from .calibration import (
+    calibrate,
+    covariances,
+    first_model_call,
+    first_tensor,
+    restore_covariances,
+    variance_per_weight,
+)
 from .engine import (
     RunningStatistics,
     Sample,
@@ -381,7 +388,7 @@ class FOOVB(Persistence):
             means_before = [block.state["mean"].clone() for block in pending.stats]
             grads_before = mean_gradients(pending.stats, self.mc_samples)
         first = [block for block in pending.stats if block not in self._progress.first_mean_norms]
-        self._progress.prior_variances.update({block: mean_variance(block) for block in first})  # for the advice
+        self._progress.prior_variances.update({block: float(variance_per_weight(block)) for block in first})  # advice
         try:
             mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
                                      self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken,

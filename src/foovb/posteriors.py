@@ -86,6 +86,11 @@ class PosteriorBlock(ABC):
         # mean step"). It bounds each step by the curvature it has just measured.
         self.implicit_mean = implicit_mean
 
+    def mean_step_priors(self) -> tuple[Tensor, Tensor] | tuple[()]:
+        """calibrate_prior's (v0, V): the mean step takes the covariance with the prior v0 swapped for V
+        (`linalg.prior_swapped`, `foovb.calibration`); () where the prior was not calibrated."""
+        return tuple(self.state[key] for key in CALIBRATED) if CALIBRATED[0] in self.state else ()
+
     def updated_and_step_factor(self, sqrt_cov: Tensor, t: LowRank, tempering: float) -> tuple[Tensor, Tensor]:
         """A covariance factor after Lemma 2's update for T, and the factor the mean step uses: the prior's
         (Algorithm 1), the updated one (implicit_mean), or, where `step_tempering` > 1, the one for tempering x T
@@ -259,8 +264,8 @@ class DiagonalBlock(PosteriorBlock):
             std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
-        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
-            variance = prior_swapped(variance, *(self.state[key] for key in CALIBRATED))
+        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+            variance = prior_swapped(variance, *priors)
         if self.curvature_damping:  # (validated: with implicit_mean only)
             variance.mul_(self.damping(curvature, spread, mean_step))
         self.state["mean"].addcmul_(variance, stats["grad_sum"], value=-mean_step / num_samples)
@@ -408,8 +413,8 @@ class KroneckerBlock(PosteriorBlock):
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
         self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
-        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
-            mean.sub_(mean_step * prior_swapped_kronecker_product(e1, a, b, *(self.state[key] for key in CALIBRATED)))
+        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+            mean.sub_(mean_step * prior_swapped_kronecker_product(e1, a, b, *priors))
         else:
             mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 
@@ -472,8 +477,8 @@ class FullBlock(PosteriorBlock):
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
         grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
         self.state["sqrt_cov"], a = self.updated_and_step_factor(a, grad_noise, step_tempering(mean_step, cov_step))
-        if CALIBRATED[0] in self.state:  # calibrate_prior: the uncalibrated prior's precision (foovb.calibration)
-            step = prior_swapped_product(stats["grad_sum"], a, *(self.state[key] for key in CALIBRATED))
+        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+            step = prior_swapped_product(stats["grad_sum"], a, *priors)
         else:
             step = a @ (a.T @ stats["grad_sum"])
         self.state["mean"].sub_(mean_step * step / num_samples)
