@@ -16,8 +16,8 @@ __all__ = ["divergence_advice"]
 
 def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     """One sentence for a step that diverged: the layer whose mean grew most since its first update, its first
-    effective learning rate on the user's loss (eta x its prior's mean sigma^2 x the loss's rescaling to L_n), and
-    what to pass. The posterior is the last step's (a refused update is undone)."""
+    effective learning rate on the user's loss (eta x its mean step's prior variance per weight, V, x the loss's
+    rescaling to L_n), and what to pass. The posterior is the last step's (a refused update is undone)."""
     growth = {block: float(block.state["mean"].norm()) / max(norm, 1e-12)
               for block, norm in opt._progress.first_mean_norms.items()}
     if not growth:
@@ -26,7 +26,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     names = {id(module): name for name, module in opt.model.named_modules()}
     name = names.get(id(block.module), "?") or "(the model itself)"
     variance = opt._progress.prior_variances[block]
-    rate = opt.mean_step / opt.prior_scale * variance * (grad_scale or 1.0)
+    rate = opt.mean_step * (opt.step_prior or 1.0) / opt.prior_scale * variance * (grad_scale or 1.0)  # eta V
     if not opt.implicit_mean:
         fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
     else:
@@ -35,7 +35,8 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
         prior = (f"a larger alpha (the prior's variance is 2 (1 - alpha) / (fan_in + 2); e.g. "
                  f"alpha={(1 + opt.param_groups[0]['alpha']) / 2:g})" if isinstance(block, KroneckerBlock)
                  else f"a smaller std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
-        fix = f"pass {coupled}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
+        wider = f"a smaller step_prior (e.g. step_prior={max(opt.step_prior / 4, 1):g}), " if opt.step_prior else ""
+        fix = f"pass {coupled}{wider}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
     return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
-            f"first effective learning rate on the loss (eta x the prior's mean sigma^2 x {grad_scale or 1:g} "
+            f"first effective learning rate on the loss (eta x the mean step's prior variance x {grad_scale or 1:g} "
             f"terms) was {rate:.3g}; {fix}")

@@ -27,6 +27,10 @@ docs/results/default_probes.md): eta / f for good (session 42), which keeps the 
 over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 1) / 2 times the algorithm's step
 (3.6 times at f = 0.16), passes a quadratic's minimum there and let a regression net of the grid jump to a loss of
 1,234.
+
+`FOOVB(..., step_prior=K)` sets the same two entries at construction, v0 the prior and V = K v0, so that the mean
+step's prior is K times the sampling prior's whether or not the prior is calibrated (with calibrate_prior, V is K
+times the uncalibrated prior: the calibration keeps it).
 """
 
 from __future__ import annotations
@@ -113,8 +117,17 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
     if factor < 1:
         for block in blocks:
             block.state["calibrated_prior_variance"] = variance_per_weight(block)
-            block.state["uncalibrated_prior_variance"] = block.state["calibrated_prior_variance"] / factor
+            block.state.setdefault("uncalibrated_prior_variance",  # step_prior's K V, set before the calibration
+                                   block.state["calibrated_prior_variance"] / factor)
     return factor
+
+
+def widen_step_prior(blocks: Sequence[PosteriorBlock], factor: float) -> None:
+    """step_prior: every block's mean step takes a prior `factor` times its current prior variance per weight
+    (calibrate_prior's two state entries, v0 and V = factor v0; `PosteriorBlock.mean_step_priors`)."""
+    for block in blocks:
+        block.state["calibrated_prior_variance"] = variance_per_weight(block)
+        block.state["uncalibrated_prior_variance"] = block.state["calibrated_prior_variance"] * factor
 
 
 def variance_per_weight(block: PosteriorBlock) -> Tensor:
@@ -136,13 +149,16 @@ def covariances(blocks: Sequence[PosteriorBlock]) -> dict[PosteriorBlock, dict[s
 
 @torch.no_grad()
 def restore_covariances(saved: dict[PosteriorBlock, dict[str, Tensor]]) -> None:
-    """The covariances `covariances` copied, in place, and the calibration's entries removed: a first step that
-    failed after the calibration leaves the prior as it was."""
+    """The covariances `covariances` copied, in place, and the calibration's entries as they were (none, or
+    step_prior's): a first step that failed after the calibration leaves the prior as it was."""
     for block, entries in saved.items():
         for key in CALIBRATED:
             block.state.pop(key, None)
         for key, value in entries.items():
-            block.state[key].copy_(value)
+            if key in CALIBRATED:
+                block.state[key] = value
+            else:
+                block.state[key].copy_(value)
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

@@ -28,6 +28,7 @@ from .calibration import (
     first_tensor,
     restore_covariances,
     variance_per_weight,
+    widen_step_prior,
 )
 from .engine import (
     RunningStatistics,
@@ -123,7 +124,7 @@ class FOOVB(Persistence):
         mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
         std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.
         antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, secant_check, calibrate_prior,
-            max_full_params: `foovb.presets`.
+            step_prior, max_full_params: `foovb.presets`.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
     """
@@ -146,6 +147,7 @@ class FOOVB(Persistence):
         curvature_damping: bool | None = None,
         secant_check: bool | None = None,
         calibrate_prior: float | None = None,
+        step_prior: float | None = None,
         init: str | None = None,
         max_full_params: int | None = None,
         loss_reduction: str = "auto",
@@ -157,7 +159,7 @@ class FOOVB(Persistence):
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
             std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,
             curvature_damping=curvature_damping, init=init, max_full_params=max_full_params, secant_check=secant_check,
-            calibrate_prior=calibrate_prior))
+            calibrate_prior=calibrate_prior, step_prior=step_prior))
         validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -172,6 +174,8 @@ class FOOVB(Persistence):
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
                                    {**settings, "std_init": defaults["std_init"], "alpha": defaults["alpha"],
                                     "max_full_params": int(settings["max_full_params"])})
+        if self.step_prior is not None:
+            widen_step_prior(self.blocks, self.step_prior)
         self.load_mean_into_model()
         hold_module_hooks(self)  # the loss spy's, removed with the last optimizer
 
@@ -195,6 +199,8 @@ class FOOVB(Persistence):
                                   "(`foovb.secant`).")
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "
                                      "step, or None (`foovb.calibration`).")
+    step_prior = _fixed_setting("step_prior", "The mean step's prior variance over the sampling prior's, or None "
+                                "(`foovb.calibration`).")
     prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
                             "the mean step keeps the uncalibrated prior's precision (`foovb.calibration`).")
 

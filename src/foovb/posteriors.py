@@ -67,7 +67,7 @@ class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
     family: str
-    # state entries that appear only after the first update (calibrate_prior's v0 and V: `foovb.calibration`)
+    # state entries that not every block holds (calibrate_prior's and step_prior's v0 and V: `foovb.calibration`)
     optional_state: tuple[str, ...] = CALIBRATED
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
@@ -87,8 +87,8 @@ class PosteriorBlock(ABC):
         self.implicit_mean = implicit_mean
 
     def mean_step_priors(self) -> tuple[Tensor, Tensor] | tuple[()]:
-        """calibrate_prior's (v0, V): the mean step takes the covariance with the prior v0 swapped for V
-        (`linalg.prior_swapped`, `foovb.calibration`); () where the prior was not calibrated."""
+        """calibrate_prior's or step_prior's (v0, V): the mean step takes the covariance with the prior v0 swapped for V
+        (`linalg.prior_swapped`, `foovb.calibration`); () where neither acts."""
         return tuple(self.state[key] for key in CALIBRATED) if CALIBRATED[0] in self.state else ()
 
     def updated_and_step_factor(self, sqrt_cov: Tensor, t: LowRank, tempering: float) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,134 @@
+"""step_prior (foovb/calibration.py): the mean step's prior K times the sampling prior. Checked against a dense
+(Sigma^-1 - 1/v0 + 1/(K v0))^-1 in every family, against the plain optimizer at K = 1, composed with calibrate_prior,
+through a failed first step, a state dict and bad values."""
+
+import math
+
+import pytest
+import torch
+from conftest import ce_closure
+from torch import nn
+
+from foovb import FOOVB
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(64, 10, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+
+
+def net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def dense_covariance(block) -> torch.Tensor:
+    """Sigma of a block, with its mean (p x n) read row-major: Sigma = B B^T (x) A A^T for the matrix family."""
+    if block.family == "kronecker":
+        a, b = block.state["input_sqrt_cov"].double(), block.state["output_sqrt_cov"].double()
+        return torch.kron(b @ b.T, a @ a.T)
+    if block.family == "full":
+        a = block.state["sqrt_cov"].double()
+        return a @ a.T
+    return torch.diag(block.state["std"].double().flatten().square())
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
+def test_the_mean_step_takes_a_prior_k_times_wider(family):
+    """The same samples and the same updated covariance Sigma as the plain optimizer; the mean step is
+    (Sigma^-1 - 1/v0 + 1/(K v0))^-1 E[g] against its Sigma E[g], with v0 the prior's variance per weight."""
+    x, y = data()
+    settings = {"alpha": 0.5} if family == "kronecker" else {"std_init": 0.3}
+    widened, plain = (FOOVB(net(), family, mean_step=0.7, seed=3, step_prior=factor, **settings)
+                      for factor in (8, None))
+    starts = [block.state["mean"].clone() for block in widened.blocks]
+    priors = [float(block.state["calibrated_prior_variance"]) for block in widened.blocks]
+    for opt in (widened, plain):
+        opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+    for block, plain_block, start, prior in zip(widened.blocks, plain.blocks, starts, priors, strict=True):
+        expected_prior = 0.09 if family != "kronecker" else 2 * 0.5 / (block.params[0].shape[1] + 2)
+        assert prior == pytest.approx(expected_prior, rel=1e-5)
+        assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(8 * expected_prior, rel=1e-5)
+        for key, value in plain_block.state.items():
+            if key != "mean":
+                torch.testing.assert_close(block.state[key], value)
+        sigma = dense_covariance(block)
+        swapped = torch.linalg.inv(torch.linalg.inv(sigma) - torch.eye(len(sigma), dtype=torch.float64)
+                                   * (1 / prior - 1 / (8 * prior)))
+        plain_step = (plain_block.state["mean"] - start).double().flatten()
+        expected = swapped @ torch.linalg.solve(sigma, plain_step)  # E[g] from the plain step Sigma E[g]
+        step = (block.state["mean"] - start).double().flatten()
+        torch.testing.assert_close(step, expected, rtol=1e-4, atol=1e-7)
+        assert step.norm() > 1.5 * plain_step.norm()  # the first steps are wider, not a rounding difference
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker"])
+def test_a_factor_of_one_is_the_plain_optimizer(family):
+    x, y = data()
+    runs = []
+    for factor in (1, None):
+        opt = FOOVB(net(), family, seed=4, step_prior=factor)
+        for _ in range(3):
+            opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+        runs.append(list(opt.model.parameters()))
+    for p, q in zip(*runs, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_with_calibrate_prior_the_step_prior_is_k_times_the_uncalibrated_one():
+    """The calibration shrinks the sampling prior v0 by f; V stays K times the prior before it (K v0 / f)."""
+    x, y = data()
+    opt = FOOVB(net(), "kronecker", calibrate_prior=0.3, step_prior=4, seed=0)
+    before = [float(block.state["calibrated_prior_variance"]) for block in opt.blocks]
+    opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+    assert 0 < opt.prior_scale < 0.5
+    for block, prior in zip(opt.blocks, before, strict=True):
+        assert float(block.state["calibrated_prior_variance"]) == pytest.approx(opt.prior_scale * prior, rel=1e-5)
+        assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(4 * prior, rel=1e-5)
+
+
+def test_a_failed_first_step_after_the_calibration_keeps_the_step_prior():
+    """The undo of the calibration puts back the entries step_prior set at construction (it used to drop them)."""
+    x, y = data()
+    opt = FOOVB(net(), "kronecker", calibrate_prior=0.3, step_prior=4, seed=0)
+    before = {(index, key): value.clone() for index, block in enumerate(opt.blocks)
+              for key, value in block.state.items() if key != "mean"}
+    calls = []
+
+    def failing() -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:  # the calibration's call, the first sample's, then this one
+            raise RuntimeError("a data loader's error")
+        return ce_closure(opt.model, x, y, reduction="mean")()
+
+    with pytest.raises(RuntimeError, match="data loader"):
+        opt.step(failing)
+    after = {(index, key): value for index, block in enumerate(opt.blocks)
+             for key, value in block.state.items() if key != "mean"}
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+
+
+def test_the_state_dict_round_trips_and_other_settings_are_refused():
+    x, y = data()
+    opt = FOOVB(net(), "kronecker", step_prior=16, seed=0)
+    opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+    saved = opt.state_dict()
+    loaded = FOOVB(net(1), "kronecker", step_prior=16, seed=9)
+    loaded.load_state_dict(saved)
+    for optimizer in (opt, loaded):
+        optimizer.step(ce_closure(optimizer.model, x, y, reduction="mean"))
+    for p, q in zip(opt.model.parameters(), loaded.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for other in (None, 4):
+        with pytest.raises(ValueError, match="step_prior: saved 16.0"):
+            FOOVB(net(), "kronecker", step_prior=other).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("value", [0.5, 0, -1, math.inf, math.nan, "16", True])
+def test_bad_values_are_refused(value):
+    with pytest.raises(ValueError, match="step_prior must be None or a finite number >= 1"):
+        FOOVB(net(), step_prior=value)
