@@ -132,3 +132,28 @@ def test_the_state_dict_round_trips_and_other_settings_are_refused():
 def test_bad_values_are_refused(value):
     with pytest.raises(ValueError, match="step_prior must be None or a finite number >= 1"):
         FOOVB(net(), step_prior=value)
+
+
+@pytest.mark.parametrize("mode", ["data", "mc"])
+def test_distribute_takes_it_in_both_modes(tmp_path, mode):
+    """Not refused (as calibrate_prior is in data mode): the swap is a function of the reduced statistics and of the
+    state every process shares; one process steps as the undistributed optimizer does."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from foovb.distributed import distribute
+
+    x, y = data()
+    plain = FOOVB(net(), "kronecker", 4, step_prior=16, seed=0)
+    plain.step(ce_closure(plain.model, x, y))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        opt = FOOVB(net(), "kronecker", 4, step_prior=16, seed=0)
+        distribute(opt, mode)
+        opt.step(ce_closure(opt.model, x, y))
+    finally:
+        dist.destroy_process_group()
+    for p, q in zip(opt.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
