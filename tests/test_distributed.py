@@ -28,7 +28,7 @@ import foovb.distributed as fd
 import foovb.engine
 import foovb.optimizer
 from foovb import FOOVB
-from foovb.distributed import distribute, init_from_env, sample_range, setup_run, shard_batch
+from foovb.distributed import MODES, distribute, init_from_env, sample_range, setup_run, shard_batch
 from foovb_suite.cli import main
 from foovb_suite.config import config_from_dict
 from foovb_suite.loading import load_run
@@ -48,6 +48,10 @@ DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path
     ("kronecker", path, 20) for path in PATHS]
 MEAN_CASES = [("diagonal", path) for path in PATHS] + [("kronecker", "closure")]
 BY_HAND = ("mean-by-hand", "sum-by-hand")  # sum / rows and mean * rows: a mean and a sum written by hand
+# steps wide enough for the secant check to cut them
+SECANT = {"diagonal": {"secant_check": True, "step_prior": 16.0, "mean_step": 10.0},
+          "kronecker": {"secant_check": True, "step_prior": 16.0, "mean_step": 2.0}}
+SECANT_CASES = [(family, path) for family in ("diagonal", "kronecker") for path in PATHS]
 
 
 def mlp(inputs: int = 4, seed: int = 0) -> nn.Module:
@@ -84,13 +88,15 @@ def run_steps(optimizer: FOOVB, model: nn.Module, path: str, inputs: int, mode: 
 
 # -- the training both the workers and the parent run --------------------------------------------------------
 def train(family: str, path: str, inputs: int, mode: str | None,
-          record_noise: bool = False, reduction: str = "sum", rows: int = 7) -> dict[str, Any]:
-    """3 FOO-VB steps on a tiny MLP; mode None: single process, else distribute(optimizer, mode) first.
+          record_noise: bool = False, reduction: str = "sum", rows: int = 7,
+          options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """3 FOO-VB steps on a tiny MLP (with FOOVB `options` added); mode None: single process, else
+    distribute(optimizer, mode) first.
     reduction "mean" (or one of BY_HAND): the batch's mean (sum) loss over `rows` rows (data mode, 7: shards of 4
     and 3 rows), else the sum over all ROWS."""
     model = mlp(inputs)
-    options = PAPER if reduction == "sum" else {"preset": "paper"}
-    optimizer = FOOVB(model, family, K, seed=7, **options)
+    preset = PAPER if reduction == "sum" else {"preset": "paper"}
+    optimizer = FOOVB(model, family, K, seed=7, **preset, **(options or {}))
     if mode is not None:
         distribute(optimizer, mode)
     noises: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -128,6 +134,9 @@ def job_equivalence(rank: int) -> dict[str, Any]:
     for family, path in MEAN_CASES:
         out[("data-mean", family, path, 4)] = train(family, path, 4, "data", reduction="mean")
         out[("mc-mean", family, path, 4)] = train(family, path, 4, "mc", reduction="mean")
+    for family, path in SECANT_CASES:
+        for mode in MODES:
+            out[(mode + "-secant", family, path, 4)] = train(family, path, 4, mode, options=SECANT[family])
     for path in PATHS:  # shards of 2 rows and 1 row: a mean over one row is a mean too
         out[("data-mean-3", "diagonal", path, 4)] = train("diagonal", path, 4, "data", reduction="mean", rows=3)
         for reduction in BY_HAND:
@@ -442,6 +451,21 @@ def test_data_parallel_equals_single_process_on_full_batch(results: list[dict], 
     single = train(family, path, inputs, None)
     for rank in range(WORLD):
         assert_close_posteriors(results[rank][("data", family, path, inputs)], single)
+
+
+@pytest.mark.parametrize(("family", "path"), SECANT_CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_secant_check_cuts_alike_in_both_modes(results: list[dict], family: str, path: str, mode: str) -> None:
+    """The cut of every process is the single process's: E[g] of the whole batch, g(mu + d) . d summed over the
+    shards (data mode) or shared (MC mode). The check acts here: without it the steps differ."""
+    single = train(family, path, 4, None, options=SECANT[family])
+    unchecked = train(family, path, 4, None, options={**SECANT[family], "secant_check": False})
+    assert max(float((a - b).abs().max()) for a, b in zip(single["means"], unchecked["means"], strict=True)) > 1e-2
+    for rank in range(WORLD):
+        got = results[rank][(mode + "-secant", family, path, 4)]
+        for name in ("means", "stds"):  # wide steps: the sums' order across processes shows at 1e-6 relative
+            for a, b in zip(got[name], single[name], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(("family", "path"), MEAN_CASES)

@@ -4,17 +4,13 @@ E[g] exact and the secant minimum is the exact minimum of the loss along the ste
 batch (step(closure), step_batched) and those that cannot (sampled_params blocks, torch.distributed)."""
 
 import math
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from foovb import FOOVB
-from foovb.distributed import distribute
 from foovb.secant import secant_fraction
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -182,7 +178,7 @@ def test_sampled_params_steps_are_not_checked_and_say_so():
         torch.testing.assert_close(checked, unchecked, rtol=0, atol=0)
 
 
-def test_secant_check_is_validated_fixed_legacy_false_and_refused_by_distribute(tmp_path: Path):
+def test_secant_check_is_validated_fixed_and_legacy_false():
     layer = nn.Linear(3, 2)
     with pytest.raises(ValueError, match="secant_check must be True or False"):
         FOOVB(layer, secant_check="yes")
@@ -191,11 +187,3 @@ def test_secant_check_is_validated_fixed_legacy_false_and_refused_by_distribute(
     FOOVB(layer).load_state_dict(saved)
     with pytest.raises(ValueError, match="secant_check: saved False, here True"):
         FOOVB(layer, secant_check=True).load_state_dict(saved)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=30))
-    try:
-        for mode in ("data", "mc"):
-            with pytest.raises(ValueError, match="secant_check .* not supported by foovb.distributed"):
-                distribute(FOOVB(layer, "diagonal", 4, secant_check=True), mode)
-    finally:
-        dist.destroy_process_group()

@@ -43,15 +43,7 @@ from .linalg import LowRank
 from .optimizer import FOOVB
 from .posteriors import PosteriorBlock
 
-__all__ = [
-    "MODES",
-    "init_from_env",
-    "setup_run",
-    "distribute",
-    "shard_batch",
-    "sample_range",
-    "all_reduce_statistics",
-]
+__all__ = ["MODES", "init_from_env", "setup_run", "distribute", "shard_batch", "sample_range", "all_reduce_statistics"]
 
 MODES = ("mc", "data")
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -169,7 +161,7 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
             the two cannot be told apart: pass False there.
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: unknown mode, secant_check, data mode with loss_reduction="mean" or calibrate_prior, too few
+        ValueError: unknown mode, data mode with loss_reduction="mean" or calibrate_prior, too few
             samples for MC mode, or the processes' optimizers differ in a hyperparameter (family, K, step sizes,
             options) or in the shapes of their posteriors (the models' layers).
     """
@@ -180,10 +172,6 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
         raise ValueError("mode='data' cannot sum the squared per-sample gradients that curvature_damping reads (each "
                          "process has a shard of the batch): build the optimizer with curvature_damping=False, or "
                          "use mode='mc'")
-    if optimizer.secant_check:
-        raise ValueError("secant_check reads the step's statistics before they are combined across processes and "
-                         "one process's batch after the update: not supported by foovb.distributed yet; build the "
-                         "optimizer with secant_check=False")
     if mode == "data" and optimizer.calibrate_prior is not None:
         raise ValueError("mode='data' gives each process its own shard of the batch, on which calibrate_prior would "
                          "scale each process's prior by another factor: build the optimizer with "
@@ -291,6 +279,13 @@ class AllReduce:
         reduced = all_reduce_statistics(self, blocks, stats, num_samples, losses, loss_rows)
         self.bytes += checked
         return reduced
+
+    def whole_batch(self, value: float) -> float:
+        """secant_check's slope at the new mean for the whole batch: the shards' sum (data mode), or the processes'
+        mean of one number (MC mode: each evaluated the whole batch), so that every process cuts its step alike."""
+        total = torch.tensor([value], dtype=torch.float64, device=_comm_device(self.group))
+        dist.all_reduce(total, group=self.group)
+        return float(total) / (dist.get_world_size(self.group) if self.mode == "mc" else 1)
 
 
 def shard_batch(*tensors: Tensor, group: Any | None = None) -> tuple[Tensor, ...]:

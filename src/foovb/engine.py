@@ -112,6 +112,11 @@ class StatisticsReducer(Protocol):
         the seed of the step's noise, the same on every process in step)."""
         ...
 
+    def whole_batch(self, value: float) -> float:
+        """`value`, a sum over the rows of the batch this process evaluated, for the whole batch: the sum over the
+        processes' shards (data mode), or their mean (MC mode, where each evaluated the whole batch)."""
+        ...
+
 
 @dataclass
 class Sample:
@@ -365,12 +370,13 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
 @torch.no_grad()
 def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_rows: float, num_samples: int,
                  mean_step: float, cov_step: float, reducer: StatisticsReducer | None, step_number: int,
-                 std_growth: str, step_seed: int) -> float:
+                 std_growth: str, step_seed: int) -> tuple[float, dict[PosteriorBlock, dict], int]:
     """UPDATE (Algorithm 1): all-reduce the statistics under torch.distributed (`reducer`), check them, then
     one fixed-point iteration of every block of `stats` (those the step trains). Non-finite statistics or an
     update that overflows raise FloatingPointError and leave every block as it was.
 
-    Returns the mean loss over all samples (of all processes; `loss_rows`: see `StatisticsReducer.reduce`)."""
+    Returns the mean loss over all samples (of all processes; `loss_rows`: see `StatisticsReducer.reduce`), and the
+    statistics applied (summed over the processes; their sums of gradients as they were) with their sample count."""
     blocks = list(stats)
     if reducer is not None:
         stats, num_samples, losses = reducer.reduce(blocks, stats, num_samples, losses, loss_rows, step_seed)
@@ -407,7 +413,7 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_ro
         raise FloatingPointError(
             f"the update at step {step_number} overflowed to non-finite posterior values (with "
             f"std_growth={std_growth!r}, a sigma that grew too large?); the posterior was left unchanged")
-    return sum(losses) / len(losses)
+    return sum(losses) / len(losses), stats, num_samples
 
 
 def check_batched_step(blocks: list[PosteriorBlock], model: nn.Module, loss_reduction: str, shard: range,

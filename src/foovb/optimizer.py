@@ -390,15 +390,14 @@ class FOOVB(Persistence):
                                f"{len(self.sample_shard)} sampled_params(train=True) blocks ran before step()")
         if pending.grad_scale not in (None, 1.0):  # the sums are linear in the gradients: scaled once, here
             scale_statistics(pending.stats, pending.grad_scale)
-        if self.secant_check:  # E[g] and the means before the update, for the cut after it
+        if self.secant_check:  # the means before the update, for the cut after it
             means_before = [block.state["mean"].clone() for block in pending.stats]
-            grads_before = mean_gradients(pending.stats, self.mc_samples)
         first = [block for block in pending.stats if block not in self._progress.first_mean_norms]
         self._progress.prior_variances.update({block: float(variance_per_weight(block)) for block in first})  # advice
         try:
-            mean_loss = apply_update(pending.stats, pending.losses, pending.loss_rows, self.mc_samples,
-                                     self.mean_step, self.cov_step, self.statistics_reducer, self.steps_taken,
-                                     self.std_growth, pending.seed)
+            mean_loss, applied, num_samples = apply_update(
+                pending.stats, pending.losses, pending.loss_rows, self.mc_samples, self.mean_step, self.cov_step,
+                self.statistics_reducer, self.steps_taken, self.std_growth, pending.seed)
         except BaseException as error:
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
@@ -412,7 +411,7 @@ class FOOVB(Persistence):
         self._progress.uncalibrated = None
         try:
             if self.secant_check:
-                self._cut_at_secant(pending, means_before, grads_before)
+                self._cut_at_secant(pending, means_before, mean_gradients(applied, num_samples))
         finally:
             pending.running.average()
         return torch.tensor(mean_loss, dtype=torch.float64)
@@ -450,7 +449,7 @@ class FOOVB(Persistence):
                           "give the optimizer: these steps are not checked (use step(closure) or step_batched)",
                           stacklevel=4)
             return
-        fraction = secant_fraction_at_new_mean(pending, means_before, grads_before)
+        fraction = secant_fraction_at_new_mean(pending, means_before, grads_before, self.statistics_reducer)
         if fraction < 1:
             cut_mean_steps(list(pending.stats), means_before, fraction)
             self.load_mean_into_model()

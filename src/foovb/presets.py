@@ -63,7 +63,8 @@ The arguments of FOOVB:
         secant minimum along it where the step passes it (`foovb.secant`): each block's implicit step is bounded by
         its own curvature, but the blocks' steps add up (the layers of a small regression net each correcting the
         same residual). One more forward and backward per step; needs the step's batch (step(closure) or
-        step_batched; sampled_params(train=True) steps are not checked) and one process (an extension).
+        step_batched; sampled_params(train=True) steps are not checked); under foovb.distributed, one more scalar
+        all-reduce (an extension).
     calibrate_prior: None, or the output noise a prior may make (e.g. 150): before the first step every block's
         prior variance is scaled down by one factor until the sampled networks' outputs on the step's batch differ
         from the mean network's by at most about this many times the spread of the mean's outputs over the batch

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .engine import Step
+from .engine import StatisticsReducer, Step
 from .posteriors import DiagonalBlock, KroneckerBlock, PosteriorBlock
 
 
@@ -43,14 +43,17 @@ def mean_steps(blocks: Sequence[PosteriorBlock], means_before: Sequence[Tensor])
             for new, old in zip(block.mean_values(), in_param_shapes(block, before), strict=True)]
 
 
-def secant_fraction(steps: Sequence[Tensor], mean_grads: Sequence[Tensor], new_grads: Sequence[Tensor]) -> float:
+def secant_fraction(steps: Sequence[Tensor], mean_grads: Sequence[Tensor], new_grads: Sequence[Tensor],
+                    reducer: StatisticsReducer | None = None) -> float:
     """The fraction t in (0, 1] of the mean step d (`steps`, per parameter) to keep: the secant minimum
     -E[g] . d / (d . (g(mu + d) - E[g])) where it lies inside the step, else 1 (a step that does not pass it, one
-    that ascends, or a non-finite gradient at the new mean, which the next step's checks report)."""
-    descent = -sum(torch.vdot(g.flatten(), d.flatten()) for g, d in zip(mean_grads, steps, strict=True))
-    curvature = sum(torch.vdot((g1 - g).flatten(), d.flatten())
-                    for g, g1, d in zip(mean_grads, new_grads, steps, strict=True))
-    descent, curvature = float(descent), float(curvature)
+    that ascends, or a non-finite gradient at the new mean, which the next step's checks report). Under
+    foovb.distributed, E[g] is the whole batch's already and g(mu + d) . d this process's part (`reducer`)."""
+    descent = -float(sum(torch.vdot(g.flatten(), d.flatten()) for g, d in zip(mean_grads, steps, strict=True)))
+    new_slope = float(sum(torch.vdot(g1.flatten(), d.flatten()) for g1, d in zip(new_grads, steps, strict=True)))
+    if reducer is not None:
+        new_slope = reducer.whole_batch(new_slope)
+    curvature = new_slope + descent  # d . (g(mu + d) - E[g])
     if descent > 0 and curvature > descent:  # also False for NaN
         return descent / curvature
     return 1.0
@@ -63,7 +66,8 @@ def cut_mean_steps(blocks: Sequence[PosteriorBlock], means_before: Sequence[Tens
         block.state["mean"].sub_(before).mul_(fraction).add_(before)
 
 
-def secant_fraction_at_new_mean(pending: Step, means_before: Sequence[Tensor], grads_before: Sequence[Tensor]) -> float:
+def secant_fraction_at_new_mean(pending: Step, means_before: Sequence[Tensor], grads_before: Sequence[Tensor],
+                                reducer: StatisticsReducer | None = None) -> float:
     """`secant_fraction` of the step just applied (the new mean in the model): the step's closure called once more
     for g(mu + d), in L_n's scale; batch-norm statistics restored to the step's start (the caller leaves the samples'
     average, as without the check)."""
@@ -78,4 +82,4 @@ def secant_fraction_at_new_mean(pending: Step, means_before: Sequence[Tensor], g
     grads_after = [torch.zeros_like(p) if p.grad is None else p.grad * scale for p in params]
     for p in pending.all_params:
         p.grad = None
-    return secant_fraction(mean_steps(blocks, means_before), grads_before, grads_after)
+    return secant_fraction(mean_steps(blocks, means_before), grads_before, grads_after, reducer)
