@@ -42,7 +42,7 @@ def test_the_mean_step_takes_a_prior_k_times_wider(family):
     x, y = data()
     settings = {"alpha": 0.5} if family == "kronecker" else {"std_init": 0.3}
     widened, plain = (FOOVB(net(), family, mean_step=0.7, seed=3, step_prior=factor, **settings)
-                      for factor in (8, None))
+                      for factor in (8, 1))
     starts = [block.state["mean"].clone() for block in widened.blocks]
     priors = [float(block.state["calibrated_prior_variance"]) for block in widened.blocks]
     for opt in (widened, plain):
@@ -64,17 +64,15 @@ def test_the_mean_step_takes_a_prior_k_times_wider(family):
         assert step.norm() > 1.5 * plain_step.norm()  # the first steps are wider, not a rounding difference
 
 
-@pytest.mark.parametrize("family", ["diagonal", "kronecker"])
-def test_a_factor_of_one_is_the_plain_optimizer(family):
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
+def test_a_factor_of_one_is_off(family):
+    """step_prior=1 (the paper preset's) takes the algorithm's step Sigma E[g]: no prior to swap in any block,
+    before or after a step."""
     x, y = data()
-    runs = []
-    for factor in (1, None):
-        opt = FOOVB(net(), family, seed=4, step_prior=factor)
-        for _ in range(3):
-            opt.step(ce_closure(opt.model, x, y, reduction="mean"))
-        runs.append(list(opt.model.parameters()))
-    for p, q in zip(*runs, strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    opt = FOOVB(net(), family, seed=4, step_prior=1)
+    opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+    assert opt.step_prior == 1.0 and FOOVB(net(), family, preset="paper").step_prior == 1.0
+    assert all(block.mean_step_priors() == () for block in opt.blocks)
 
 
 def test_with_calibrate_prior_the_step_prior_is_k_times_the_uncalibrated_one():
@@ -123,14 +121,19 @@ def test_the_state_dict_round_trips_and_other_settings_are_refused():
         optimizer.step(ce_closure(optimizer.model, x, y, reduction="mean"))
     for p, q in zip(opt.model.parameters(), loaded.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-    for other in (None, 4):
+    for other in (1, 4):
         with pytest.raises(ValueError, match="step_prior: saved 16.0"):
             FOOVB(net(), "kronecker", step_prior=other).load_state_dict(saved)
+    legacy = FOOVB(net(), "kronecker", step_prior=1).state_dict()
+    del legacy["param_groups"][0]["step_prior"]  # saved before the setting existed: the algorithm's step
+    FOOVB(net(), "kronecker", step_prior=1).load_state_dict(legacy)
+    with pytest.raises(ValueError, match="step_prior: saved 1.0, here 16.0"):
+        FOOVB(net(), "kronecker", step_prior=16).load_state_dict(legacy)
 
 
 @pytest.mark.parametrize("value", [0.5, 0, -1, math.inf, math.nan, "16", True])
 def test_bad_values_are_refused(value):
-    with pytest.raises(ValueError, match="step_prior must be None or a finite number >= 1"):
+    with pytest.raises(ValueError, match="step_prior must be a finite number >= 1"):
         FOOVB(net(), step_prior=value)
 
 

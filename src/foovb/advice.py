@@ -26,7 +26,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     names = {id(module): name for name, module in opt.model.named_modules()}
     name = names.get(id(block.module), "?") or "(the model itself)"
     variance = opt._progress.prior_variances[block]
-    rate = opt.mean_step * (opt.step_prior or 1.0) / opt.prior_scale * variance * (grad_scale or 1.0)  # eta V
+    rate = opt.mean_step * opt.step_prior / opt.prior_scale * variance * (grad_scale or 1.0)  # eta V
     if not opt.implicit_mean:
         fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"
     else:
@@ -35,7 +35,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
         prior = (f"a larger alpha (the prior's variance is 2 (1 - alpha) / (fan_in + 2); e.g. "
                  f"alpha={(1 + opt.param_groups[0]['alpha']) / 2:g})" if isinstance(block, KroneckerBlock)
                  else f"a smaller std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
-        wider = f"a smaller step_prior (e.g. step_prior={max(opt.step_prior / 4, 1):g}), " if opt.step_prior else ""
+        wider = f"a smaller step_prior (e.g. step_prior={max(opt.step_prior / 4, 1):g}), " if opt.step_prior > 1 else ""
         fix = f"pass {coupled}{wider}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
     return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
             f"first effective learning rate on the loss (eta x the mean step's prior variance x {grad_scale or 1:g} "

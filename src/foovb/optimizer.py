@@ -174,7 +174,7 @@ class FOOVB(Persistence):
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
                                    {**settings, "std_init": defaults["std_init"], "alpha": defaults["alpha"],
                                     "max_full_params": int(settings["max_full_params"])})
-        if self.step_prior is not None:
+        if self.step_prior > 1:
             widen_step_prior(self.blocks, self.step_prior)
         self.load_mean_into_model()
         hold_module_hooks(self)  # the loss spy's, removed with the last optimizer
@@ -199,8 +199,8 @@ class FOOVB(Persistence):
                                   "(`foovb.secant`).")
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "
                                      "step, or None (`foovb.calibration`).")
-    step_prior = _fixed_setting("step_prior", "The mean step's prior variance over the sampling prior's, or None "
-                                "(`foovb.calibration`).")
+    step_prior = _fixed_setting("step_prior", "The mean step's prior variance over the sampling prior's (1: the "
+                                "algorithm's step; `foovb.calibration`).")
     prior_scale = _progress("prior_scale", "The factor calibrate_prior scaled the prior's variance by (1.0: none); "
                             "the mean step keeps the uncalibrated prior's precision (`foovb.calibration`).")
 

@@ -73,7 +73,8 @@ The arguments of FOOVB:
         the uncalibrated prior's step V where the posterior is still the prior (Sigma = v0), the algorithm's Sigma where
         the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
-    step_prior: None, or K >= 1: the mean step's prior variance is K times the prior's the samples are drawn from
+    step_prior: K >= 1 (1: off, the algorithm's step): the mean step's prior variance is K times the prior's the
+        samples are drawn from
         (v0, after calibrate_prior where it acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times
         the prior's step in the directions no batch has measured yet, the algorithm's Sigma where the likelihood has
         taken over, the samples' noise unchanged (`foovb.calibration`; with calibrate_prior, K times the
@@ -123,7 +124,7 @@ POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordab
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
           "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "curvature_damping": False,
           "init": "paper", "max_full_params": 4096, "secant_check": False, "calibrate_prior": None,
-          "step_prior": None}
+          "step_prior": 1.0}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
         "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.5, "antithetic": True, "std_growth": "none",
@@ -145,7 +146,7 @@ FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "anti
          "implicit_mean", "curvature_damping", "secant_check", "calibrate_prior", "step_prior")
 # The value of a FIXED setting in a state dict saved before the setting existed
 LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False, "secant_check": False, "calibrate_prior": None,
-          "step_prior": None}
+                "step_prior": 1.0}
 
 
 def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
@@ -185,9 +186,9 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
                                             and calibrate_prior > 0):
         raise ValueError(f"calibrate_prior must be None or a positive finite number (the output noise allowed), got "
                          f"{calibrate_prior!r}")
-    if step_prior is not None and not (is_real(step_prior) and math.isfinite(step_prior) and step_prior >= 1):
-        raise ValueError(f"step_prior must be None or a finite number >= 1 (the mean step's prior variance over the "
-                         f"sampling prior's), got {step_prior!r}")
+    if not (is_real(step_prior) and math.isfinite(step_prior) and step_prior >= 1):
+        raise ValueError(f"step_prior must be a finite number >= 1 (the mean step's prior variance over the sampling "
+                         f"prior's; 1: off), got {step_prior!r}")
     if curvature_damping and not implicit_mean:
         raise ValueError("curvature_damping damps the implicit mean step: it needs implicit_mean=True")
     if antithetic and mc_samples % 2:
@@ -234,7 +235,7 @@ def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, s
                 cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
                 curvature_damping=bool(settings["curvature_damping"]), secant_check=bool(settings["secant_check"]),
                 calibrate_prior=None if settings["calibrate_prior"] is None else float(settings["calibrate_prior"]),
-                step_prior=None if settings["step_prior"] is None else float(settings["step_prior"]))
+                step_prior=float(settings["step_prior"]))
 
 
 def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
