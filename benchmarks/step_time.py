@@ -6,12 +6,13 @@ Prints, measured in this one run on this machine:
 * the matrix-variate (Kronecker) step for K = 10, with the share of time spent in the posterior update;
 * the full-covariance family on a small 64-32-10 MLP.
 
-    python benchmarks/step_time.py [--repeats 30] [--threads N] [--device cuda]
+    python benchmarks/step_time.py [--repeats 30] [--threads N] [--device cuda] [--settings JSON]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -70,9 +71,9 @@ def sgd_step_ms(x, y, repeats: int, sizes=(784, 100, 100, 10)) -> float:
 
 
 def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, sizes=(784, 100, 100, 10),
-                  preset: str = "paper") -> float:
+                  preset: str = "paper", **settings) -> float:
     model = mlp(sizes).to(x.device)
-    opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset)
+    opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset, **settings)
     loss_fn = lambda out, t: F.cross_entropy(out, t, reduction="sum")  # noqa: E731
 
     def closure() -> torch.Tensor:
@@ -85,7 +86,7 @@ def foovb_step_ms(x, y, posterior: str, k: int, batched: bool, repeats: int, siz
         try:
             opt.step_batched(x, y, loss_fn) if batched else opt.step(closure)
         except FloatingPointError:  # K = 1 can diverge on one repeated batch (noisy E[g eps]); start over
-            opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset)
+            opt = FOOVB(model, posterior, mc_samples=k, seed=0, preset=preset, **settings)
             return False  # not a step: median_ms does not count it
         return True
 
@@ -142,6 +143,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="784,100,100,10",
                         help="MLP layer sizes (the paper's timing table uses the continuous net 1024,200,200,10)")
     parser.add_argument("--ks", default="1,2,10,32", help="MC sample counts of the diagonal family")
+    parser.add_argument("--settings", default=None, help="FOOVB keyword arguments (JSON): the recommended "
+                        "matrix-variate step(closure) at K=10 is timed with them and without, after the table")
     add_device_argument(parser)
     args = parser.parse_args()
     sizes = tuple(int(v) for v in args.sizes.split(","))
@@ -177,6 +180,13 @@ def main() -> None:
     full = foovb_step_ms(xs, y, "full", 10, True, args.repeats, small)
     print(f"Full covariance, MLP 64-32-10 (blocks of 2080 and 330 parameters), K=10: {full:.1f} ms "
           f"= {full / sgd_small:.0f} x SGD ({sgd_small:.3f} ms)")
+    if args.settings:
+        repeats = max(5, args.repeats // 3)
+        plain = foovb_step_ms(x, y, "kronecker", 10, False, repeats, sizes, preset="recommended")
+        extra = foovb_step_ms(x, y, "kronecker", 10, False, repeats, sizes, preset="recommended",
+                              **json.loads(args.settings))
+        print(f"Matrix-variate step(closure), K=10, recommended preset: {plain:.1f} ms; with {args.settings}: "
+              f"{extra:.1f} ms ({extra / plain:.2f}x)")
 
 
 if __name__ == "__main__":
