@@ -117,7 +117,7 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
     if factor < 1:
         for block in blocks:
             block.state["calibrated_prior_variance"] = variance_per_weight(block)
-            block.state.setdefault("uncalibrated_prior_variance",  # step_prior's K V, set before the calibration
+            block.state.setdefault("uncalibrated_prior_variance",  # step_prior sets K v0 before the calibration
                                    block.state["calibrated_prior_variance"] / factor)
     return factor
 
