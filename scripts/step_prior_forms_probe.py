@@ -11,7 +11,8 @@ times the default step on a 1024-100-100-10 MLP at batch 128).
   K^1/2 times the exact form's where one has and the other not. One Cholesky factorisation of I - c S per factor
   (eigenvalues in [K^-1/2, 1]: Lemma 2 never lets a factor grow) and two triangular solves.
 * a tag with `sp16n512` (narrow): the exact form on layers whose two factors are at most 512 wide, the algorithm's
-  step on wider ones (the eigendecompositions of the wide input factors are the cost).
+  step on wider ones (the eigendecompositions of the wide input factors are the cost); `sp16n512b` (narrow, body):
+  the same, and no step prior on the model's last block (its output layer).
 
 Diagonal blocks keep the exact elementwise form. Everything else is `benchmarks/robustness_grid.py`, whose arguments
 this takes (the candidate's JSON must hold step_prior):
@@ -37,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import robustness_grid as grid  # noqa: E402
 
+import foovb.optimizer  # noqa: E402
 import foovb.posteriors  # noqa: E402
+from foovb.calibration import widen_step_prior  # noqa: E402
 from foovb.linalg import prior_swapped_kronecker_product  # noqa: E402
 
 NARROW = 512  # the narrow form's widest factor with the exact swap
@@ -63,10 +66,17 @@ def narrow_product(matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Tens
     return prior_swapped_kronecker_product(matrix, input_sqrt_cov, output_sqrt_cov, prior, new_prior)
 
 
+def body_only(blocks: list, factor: float) -> None:
+    """step_prior on every block but the last (the output layer, in the model's parameter order)."""
+    widen_step_prior(blocks[:-1], factor)
+
+
 if sys.argv[1:2] == ["suite-factored"] or re.search(r"--tag\S*\s+\S*sp16f", " ".join(sys.argv)):
     foovb.posteriors.prior_swapped_kronecker_product = factored_product
 elif re.search(r"--tag\S*\s+\S*sp16n512", " ".join(sys.argv)):
     foovb.posteriors.prior_swapped_kronecker_product = narrow_product
+    if re.search(r"--tag\S*\s+\S*sp16n512b", " ".join(sys.argv)):
+        foovb.optimizer.widen_step_prior = body_only
 elif __name__ == "__main__":
     sys.exit("step_prior_forms_probe.py: error: --tag must name the form (sp16f or sp16n512)")
 

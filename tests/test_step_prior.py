@@ -182,3 +182,38 @@ def test_wider_steps_train_the_grids_regression_net_further():
             opt.step(closure)
         final[name] = float(torch.nn.functional.mse_loss(model(x), y).detach())
     assert final["wider"] < 0.5 * final["algorithm"]
+
+
+def test_a_factor_that_overflows_the_dtype_is_refused():
+    with pytest.raises(ValueError, match="step_prior=1e\\+39 times the prior's variance per weight .* overflows"):
+        FOOVB(net(), "kronecker", step_prior=1e39)
+
+
+def test_a_state_dict_without_the_step_priors_entries_is_refused():
+    """Dropped entries would turn the option off silently (the entries are optional for calibrate_prior)."""
+    saved = FOOVB(net(), "kronecker", step_prior=16).state_dict()
+    for entry in saved["state"].values():
+        entry.pop("uncalibrated_prior_variance")
+    with pytest.raises(ValueError, match="needs 'uncalibrated_prior_variance'"):
+        FOOVB(net(), "kronecker", step_prior=16).load_state_dict(saved)
+
+
+def test_a_first_update_that_overflows_names_the_step_prior():
+    x, y = data()
+    opt = FOOVB(net(), "full", step_prior=16, mean_step=1e36, seed=0)
+    with pytest.raises(FloatingPointError, match="At the first update, layer .* smaller step_prior") as error:
+        opt.step(ce_closure(opt.model, x, y))
+    assert "std_growth" not in str(error.value)  # the full family's sigma does not grow
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_variances_are_swapped_in_float32(dtype):
+    """1/v - 1/v0 cancels where v is near v0: in half precision it was off by up to 24% (bfloat16)."""
+    from foovb.linalg import prior_swapped
+
+    prior, new_prior = torch.tensor(0.01, dtype=dtype), torch.tensor(10.0, dtype=dtype)
+    variances = torch.linspace(0.0095, 0.01, 50).to(dtype)
+    exact = 1 / (1 / variances.double() - 1 / prior.double() + 1 / new_prior.double())
+    swapped = prior_swapped(variances, prior, new_prior)
+    assert swapped.dtype == dtype
+    torch.testing.assert_close(swapped.double(), exact, rtol=1e-2, atol=0)

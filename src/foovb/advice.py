@@ -20,9 +20,11 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     rescaling to L_n), and what to pass. The posterior is the last step's (a refused update is undone)."""
     growth = {block: float(block.state["mean"].norm()) / max(norm, 1e-12)
               for block, norm in opt._progress.first_mean_norms.items()}
-    if not growth:
+    if not growth and not opt._progress.prior_variances:
         return "No update succeeded before this one"
-    block = max(growth, key=growth.get)
+    # a divergence at the first update: the layer with the largest first step
+    ranking = growth or opt._progress.prior_variances
+    block = max(ranking, key=ranking.get)
     names = {id(module): name for name, module in opt.model.named_modules()}
     name = names.get(id(block.module), "?") or "(the model itself)"
     variance = opt._progress.prior_variances[block]
@@ -37,6 +39,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
                  else f"a smaller std_init (e.g. std_init={math.sqrt(variance) / 2:.2g})")
         wider = f"a smaller step_prior (e.g. step_prior={max(opt.step_prior / 4, 1):g}), " if opt.step_prior > 1 else ""
         fix = f"pass {coupled}{wider}a smaller mean_step (e.g. mean_step={opt.mean_step / 4:g}) or {prior}"
-    return (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its "
-            f"first effective learning rate on the loss (eta x the mean step's prior variance x {grad_scale or 1:g} "
-            f"terms) was {rate:.3g}; {fix}")
+    lead = (f"Layer {name!r} moved most: its mean's norm is {growth[block]:.3g}x that after the first step, its"
+            if growth else f"At the first update, layer {name!r} had the widest prior: its")
+    return (f"{lead} first effective learning rate on the loss (eta x the mean step's prior variance x "
+            f"{grad_scale or 1:g} terms) was {rate:.3g}; {fix}")

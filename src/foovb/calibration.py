@@ -126,8 +126,12 @@ def widen_step_prior(blocks: Sequence[PosteriorBlock], factor: float) -> None:
     """step_prior: every block's mean step takes a prior `factor` times its current prior variance per weight
     (calibrate_prior's two state entries, v0 and V = factor v0; `PosteriorBlock.mean_step_priors`)."""
     for block in blocks:
-        block.state["calibrated_prior_variance"] = variance_per_weight(block)
-        block.state["uncalibrated_prior_variance"] = block.state["calibrated_prior_variance"] * factor
+        prior = variance_per_weight(block)
+        if not torch.isfinite(prior * factor):
+            raise ValueError(f"step_prior={factor:g} times the prior's variance per weight ({float(prior):.3g}) "
+                             f"overflows {prior.dtype}: pass a smaller step_prior")
+        block.state["calibrated_prior_variance"] = prior
+        block.state["uncalibrated_prior_variance"] = prior * factor
 
 
 def variance_per_weight(block: PosteriorBlock) -> Tensor:

@@ -410,9 +410,11 @@ def apply_update(stats: dict[PosteriorBlock, dict], losses: list[float], loss_ro
         raise
     if overflowed:
         undo()
+        grown = std_growth != "none" and any(block.family == "diagonal" for block in blocks)  # sigma may grow
         raise FloatingPointError(
-            f"the update at step {step_number} overflowed to non-finite posterior values (with "
-            f"std_growth={std_growth!r}, a sigma that grew too large?); the posterior was left unchanged")
+            f"the update at step {step_number} overflowed to non-finite posterior values"
+            f"{f' (with std_growth={std_growth!r}, a sigma that grew too large?)' if grown else ''}; the posterior "
+            "was left unchanged")
     return sum(losses) / len(losses), stats, num_samples
 
 

@@ -402,7 +402,7 @@ class FOOVB(Persistence):
             pending.running.restore()  # a refused update changes nothing
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
             self._undo_calibration()
-            if isinstance(error, FloatingPointError) and self.steps_taken:
+            if isinstance(error, FloatingPointError):
                 raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})

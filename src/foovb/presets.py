@@ -281,10 +281,11 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
     check_step_sizes(groups[0].get("lr"), groups[0].get("cov_step"), ("lr (mean_step)", "cov_step"))
     for block in blocks:
         position = index[id(block.params[0])]
-        check_block_state(block, position, state_dict["state"].get(position, {}))
+        check_block_state(block, position, state_dict["state"].get(position, {}),
+                          required=CALIBRATED if fixed.get("step_prior", 1.0) > 1 else ())
 
 
-def check_block_state(block: PosteriorBlock, position: int, saved: dict) -> None:
+def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = ()) -> None:
     """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
     the block keeps (and each optional running statistic present, in the mean's shape) of its shape and of its
     dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
@@ -294,7 +295,7 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict) -> None
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
     own_state.update({key: block.state["mean"].new_zeros(()) if key in CALIBRATED else block.state["mean"]
-                      for key in block.optional_state if key in saved})
+                      for key in block.optional_state if key in saved or key in required})
     for key, own in own_state.items():
         value = saved.get(key)
         if not isinstance(value, Tensor) or value.shape != own.shape:
