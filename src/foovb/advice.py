@@ -22,7 +22,7 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
               for block, norm in opt._progress.first_mean_norms.items()}
     if not growth and not opt._progress.prior_variances:
         return "No update succeeded before this one"
-    # a divergence at the first update: the layer with the largest first step
+    # a divergence at the first update: the layer with the widest prior
     ranking = growth or opt._progress.prior_variances
     block = max(ranking, key=ranking.get)
     names = {id(module): name for name, module in opt.model.named_modules()}

@@ -73,13 +73,12 @@ The arguments of FOOVB:
         the uncalibrated prior's step V where the posterior is still the prior (Sigma = v0), the algorithm's Sigma where
         the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
-    step_prior: K >= 1 (1: off, the algorithm's step): the mean step's prior variance is K times the prior's the
-        samples are drawn from
-        (v0, after calibrate_prior where it acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times
-        the prior's step in the directions no batch has measured yet, the algorithm's Sigma where the likelihood has
-        taken over, the samples' noise unchanged (`foovb.calibration`; with calibrate_prior, K times the
-        uncalibrated prior). The matrix-variate family takes two symmetric eigendecompositions per layer and step
-        (an extension).
+    step_prior: K >= 1 (1: off, the algorithm's step): the mean step's prior variance is K times that of the prior the
+        samples are drawn from (v0, after calibrate_prior where it acts), every mean step taken with
+        (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions no batch has measured yet, the
+        algorithm's Sigma where the likelihood has taken over, the samples' noise unchanged (`foovb.calibration`; with
+        calibrate_prior, K times the uncalibrated prior). The matrix-variate family takes two symmetric
+        eigendecompositions per layer and step (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
@@ -287,7 +286,7 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
 
 def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = ()) -> None:
     """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
-    the block keeps (and each optional running statistic present, in the mean's shape) of its shape and of its
+    the block keeps (and each optional entry present, or `required`: step_prior's v0 and V) of its shape and of its
     dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
     own is (0 only where this optimizer has it 0: an nn.Embedding's padding row, `priors._fix_padding_row`); a
     matrix square root of a covariance not all zero unless the block's own is (the matrix-variate factors never
