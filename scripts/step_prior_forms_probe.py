@@ -12,7 +12,8 @@ times the default step on a 1024-100-100-10 MLP at batch 128).
   (eigenvalues in [K^-1/2, 1]: Lemma 2 never lets a factor grow) and two triangular solves.
 * a tag with `sp16n512` (narrow): the exact form on layers whose two factors are at most 512 wide, the algorithm's
   step on wider ones (the eigendecompositions of the wide input factors are the cost); `sp16n512b` (narrow, body):
-  the same, and no step prior on the model's last block (its output layer).
+  the same, and no step prior on the model's last block (its output layer); `sp16n512h2`: the output layer's step
+  prior 2 (any number after the h) instead.
 
 Diagonal blocks keep the exact elementwise form. Everything else is `benchmarks/robustness_grid.py`, whose arguments
 this takes (the candidate's JSON must hold step_prior):
@@ -27,6 +28,7 @@ the parent's arguments and import this module as their main module, so the patch
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -71,12 +73,21 @@ def body_only(blocks: list, factor: float) -> None:
     widen_step_prior(blocks[:-1], factor)
 
 
+def other_head(blocks: list, factor: float, head_factor: float) -> None:
+    """step_prior `factor` on every block but the last, `head_factor` on the last (the output layer)."""
+    widen_step_prior(blocks[:-1], factor)
+    if head_factor > 1:
+        widen_step_prior(blocks[-1:], head_factor)
+
+
 if sys.argv[1:2] == ["suite-factored"] or re.search(r"--tag\S*\s+\S*sp16f", " ".join(sys.argv)):
     foovb.posteriors.prior_swapped_kronecker_product = factored_product
 elif re.search(r"--tag\S*\s+\S*sp16n512", " ".join(sys.argv)):
     foovb.posteriors.prior_swapped_kronecker_product = narrow_product
     if re.search(r"--tag\S*\s+\S*sp16n512b", " ".join(sys.argv)):
         foovb.optimizer.widen_step_prior = body_only
+    elif head := re.search(r"--tag\S*\s+\S*sp16n512h(\d+(?:\.\d+)?)", " ".join(sys.argv)):
+        foovb.optimizer.widen_step_prior = functools.partial(other_head, head_factor=float(head.group(1)))
 elif __name__ == "__main__":
     sys.exit("step_prior_forms_probe.py: error: --tag must name the form (sp16f or sp16n512)")
 
