@@ -232,9 +232,10 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
 
 def prior_swapped(variances: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
     """1 / (1 / variances - 1 / prior + 1 / new_prior), elementwise, for `new_prior` >= `prior`: the eigenvalues of a
-    posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior` (calibrate_prior's mean
-    step, `foovb.calibration`). A variance equal to `prior` becomes `new_prior`, one far below both stays as it is; one
-    above `prior` (the diagonal family's sigma may grow) is taken as `prior`, and never made smaller."""
+    posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior` (calibrate_prior's and
+    step_prior's mean step, `foovb.calibration`). A variance equal to `prior` becomes `new_prior`, one far below both
+    stays as it is; one above `prior` (the diagonal family's sigma may grow) is taken as `prior`, never made
+    smaller."""
     work = variances.float() if variances.dtype in (torch.float16, torch.bfloat16) else variances  # 1/v - 1/v0
     prior, new_prior = prior.to(work.dtype), new_prior.to(work.dtype)  # cancels: half precision loses it
     return torch.maximum(1 / (1 / work.clamp(max=prior) - 1 / prior + 1 / new_prior), work).to(variances.dtype)

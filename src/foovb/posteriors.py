@@ -264,7 +264,7 @@ class DiagonalBlock(PosteriorBlock):
             std.clamp_(max=self.std_init)
         if variance is None:
             variance = std.square()
-        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+        if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration)
             variance = prior_swapped(variance, *priors)
         if self.curvature_damping:  # (validated: with implicit_mean only)
             variance.mul_(self.damping(curvature, spread, mean_step))
@@ -413,7 +413,7 @@ class KroneckerBlock(PosteriorBlock):
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
         self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
-        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+        if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration)
             mean.sub_(mean_step * prior_swapped_kronecker_product(e1, a, b, *priors))
         else:
             mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
@@ -477,7 +477,7 @@ class FullBlock(PosteriorBlock):
         # conditions": mu <- mu - eta A A^T E1, with the prior's A (Algorithm 2) or the updated one (implicit_mean)
         grad_noise = stats["grad_noise"].scaled(cov_step / num_samples)
         self.state["sqrt_cov"], a = self.updated_and_step_factor(a, grad_noise, step_tempering(mean_step, cov_step))
-        if priors := self.mean_step_priors():  # calibrate_prior (foovb.calibration)
+        if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration)
             step = prior_swapped_product(stats["grad_sum"], a, *priors)
         else:
             step = a @ (a.T @ stats["grad_sum"])
