@@ -49,7 +49,7 @@ DATA_CASES = [(family, path, 4) for family in ("diagonal", "kronecker") for path
 MEAN_CASES = [("diagonal", path) for path in PATHS] + [("kronecker", "closure")]
 BY_HAND = ("mean-by-hand", "sum-by-hand")  # sum / rows and mean * rows: a mean and a sum written by hand
 # steps wide enough for the secant check to cut them
-SECANT = {"diagonal": {"secant_check": True, "step_prior": 16.0, "mean_step": 10.0},
+SECANT = {"diagonal": {"secant_check": True, "step_prior": 16.0, "mean_step": 60.0},
           "kronecker": {"secant_check": True, "step_prior": 16.0, "mean_step": 2.0}}
 SECANT_CASES = [(family, path) for family in ("diagonal", "kronecker") for path in PATHS]
 

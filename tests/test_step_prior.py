@@ -10,6 +10,7 @@ from conftest import ce_closure
 from torch import nn
 
 from foovb import FOOVB
+from foovb.calibration import STEP_PRIOR_MAX_WIDTH, variance_per_weight
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,10 +45,15 @@ def test_the_mean_step_takes_a_prior_k_times_wider(family):
     widened, plain = (FOOVB(net(), family, mean_step=0.7, seed=3, step_prior=factor, secant_check=False, **settings)
                       for factor in (8, 1))
     starts = [block.state["mean"].clone() for block in widened.blocks]
-    priors = [float(block.state["calibrated_prior_variance"]) for block in widened.blocks]
+    priors = [float(variance_per_weight(block)) for block in widened.blocks]
     for opt in (widened, plain):
         opt.step(ce_closure(opt.model, x, y, reduction="mean"))
+    output_layer = widened.blocks[-1].module
     for block, plain_block, start, prior in zip(widened.blocks, plain.blocks, starts, priors, strict=True):
+        if block.module is output_layer:  # the output layer (weight and bias) takes the algorithm's step
+            assert "uncalibrated_prior_variance" not in block.state
+            torch.testing.assert_close(block.state["mean"], plain_block.state["mean"], rtol=0, atol=0)
+            continue
         expected_prior = 0.09 if family != "kronecker" else 2 * 0.5 / (block.params[0].shape[1] + 2)
         assert prior == pytest.approx(expected_prior, rel=1e-5)
         assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(8 * expected_prior, rel=1e-5)
@@ -79,12 +85,12 @@ def test_with_calibrate_prior_the_step_prior_is_k_times_the_uncalibrated_one():
     """The calibration shrinks the sampling prior v0 by f; V stays K times the prior before it (K v0 / f)."""
     x, y = data()
     opt = FOOVB(net(), "kronecker", calibrate_prior=0.3, step_prior=4, seed=0)
-    before = [float(block.state["calibrated_prior_variance"]) for block in opt.blocks]
+    before = [float(variance_per_weight(block)) for block in opt.blocks]
     opt.step(ce_closure(opt.model, x, y, reduction="mean"))
     assert 0 < opt.prior_scale < 0.5
-    for block, prior in zip(opt.blocks, before, strict=True):
+    for block, prior, factor in zip(opt.blocks, before, (4, 1), strict=True):  # hidden, output layers
         assert float(block.state["calibrated_prior_variance"]) == pytest.approx(opt.prior_scale * prior, rel=1e-5)
-        assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(4 * prior, rel=1e-5)
+        assert float(block.state["uncalibrated_prior_variance"]) == pytest.approx(factor * prior, rel=1e-5)
 
 
 def test_a_failed_first_step_after_the_calibration_keeps_the_step_prior():
@@ -164,7 +170,8 @@ def test_distribute_takes_it_in_both_modes(tmp_path, mode):
 
 def test_wider_steps_train_the_grids_regression_net_further():
     """The grid's 1-64-64-1 tanh net on its first region of y = sin(2x): step_prior=16 (with the secant check, as the
-    grid measured it) ends 40 steps at under half the loss of the algorithm's step (with the check too)."""
+    grid measured it; the output layer takes the algorithm's step) ends 40 steps at under 0.7 times the loss of the
+    algorithm's step (with the check too; 0.62 times when this was written)."""
     generator = torch.Generator().manual_seed(0)
     x = -3 + 2 * torch.rand(64, 1, generator=generator)
     y = torch.sin(2 * x)
@@ -181,7 +188,7 @@ def test_wider_steps_train_the_grids_regression_net_further():
 
             opt.step(closure)
         final[name] = float(torch.nn.functional.mse_loss(model(x), y).detach())
-    assert final["wider"] < 0.5 * final["algorithm"]
+    assert final["wider"] < 0.7 * final["algorithm"]
 
 
 def test_a_factor_that_overflows_the_dtype_is_refused():
@@ -192,18 +199,23 @@ def test_a_factor_that_overflows_the_dtype_is_refused():
 def test_a_state_dict_without_the_step_priors_entries_is_refused():
     """Dropped entries would turn the option off silently (the entries are optional for calibrate_prior)."""
     saved = FOOVB(net(), "kronecker", step_prior=16).state_dict()
-    for entry in saved["state"].values():
-        entry.pop("uncalibrated_prior_variance")
+    saved["state"][0].pop("uncalibrated_prior_variance")  # the hidden layer's (the output layer holds none)
     with pytest.raises(ValueError, match="needs 'uncalibrated_prior_variance'"):
         FOOVB(net(), "kronecker", step_prior=16).load_state_dict(saved)
 
 
 def test_a_first_update_that_overflows_names_the_step_prior():
     x, y = data()
+    """The layer named is the one with the widest mean step's prior: the hidden layer's prior is the narrower
+    (variance 2 / 16 against 2 / 9), 16 times wider in its mean step; the output layer takes no step prior."""
     opt = FOOVB(net(), "full", step_prior=16, mean_step=1e36, seed=0)
-    with pytest.raises(FloatingPointError, match="At the first update, layer .* smaller step_prior") as error:
+    with pytest.raises(FloatingPointError, match="At the first update, layer '0' .* smaller step_prior") as error:
         opt.step(ce_closure(opt.model, x, y))
     assert "std_growth" not in str(error.value)  # the full family's sigma does not grow
+    opt = FOOVB(net(), "full", step_prior=1.5, mean_step=1e36, seed=0)
+    with pytest.raises(FloatingPointError, match="At the first update, layer '2'") as error:
+        opt.step(ce_closure(opt.model, x, y))
+    assert "step_prior" not in str(error.value)  # the output layer's step is the algorithm's
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -217,3 +229,18 @@ def test_half_precision_variances_are_swapped_in_float32(dtype):
     swapped = prior_swapped(variances, prior, new_prior)
     assert swapped.dtype == dtype
     torch.testing.assert_close(swapped.double(), exact, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("family", ["diagonal", "kronecker", "auto"])
+def test_the_output_layer_and_wide_matrix_layers_take_the_algorithms_step(family):
+    """step_prior widens every block but the last module's (weight and bias alike) and but matrix-variate layers
+    with a factor wider than 512 (their eigendecompositions would be most of the step); a norm layer's diagonal
+    blocks in the matrix-variate family are widened."""
+    model = nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8),
+                          nn.Linear(8, 3))  # the first layer's input factor: 512 inputs + 1 (bias)
+    opt = FOOVB(model, family, step_prior=4)
+    widened = {name: bool(block.mean_step_priors()) for block in opt.blocks
+               for name, module in model.named_modules() if module is block.module}
+    matrix = family != "diagonal"
+    assert widened == {"0": not matrix, "2": True, "3": True, "4": False}
+    assert FOOVB(nn.Linear(4, 2), family, step_prior=4).blocks[0].mean_step_priors() == ()  # only an output layer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .calibration import step_prior_blocks
 from .presets import LEGACY_FIXED, check_state_dict
 
 __all__ = ["Persistence"]
@@ -57,7 +58,8 @@ class Persistence(torch.optim.Optimizer):
             raise ValueError("not a FOOVB state dict (it needs 'state', 'param_groups' and 'foovb' entries)")
         state_dict = dict(state_dict)
         check_state_dict(state_dict, self._fixed, len(self.param_groups[0]["params"]), self.blocks,
-                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}, self.generator)
+                         {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}, self.generator,
+                         step_prior_blocks(self.blocks) if self.step_prior > 1 else ())
         extra = state_dict.pop("foovb")
         state_dict["param_groups"] = [{**LEGACY_FIXED, **group} for group in state_dict["param_groups"]]
         super().load_state_dict(state_dict)

@@ -93,6 +93,7 @@ The arguments of FOOVB:
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -238,11 +239,13 @@ def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, s
 
 
 def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
-                     index: dict[int, int], generator: torch.Generator) -> None:
+                     index: dict[int, int], generator: torch.Generator,
+                     widened: Collection[PosteriorBlock] = ()) -> None:
     """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture
     (`num_params` trainable tensors; each block's state of the same shapes and values it could hold:
-    `check_block_state`; `index`: id(param) -> its position), with a state that a generator like `generator`
-    accepts and a step count. Nothing is changed: a load that passes cannot be refused half-way."""
+    `check_block_state`, with step_prior's entries in the `widened` blocks; `index`: id(param) -> its position),
+    with a state that a generator like `generator` accepts and a step count. Nothing is changed: a load that passes
+    cannot be refused half-way."""
     progress = state_dict["foovb"]
     generator_state = generator.get_state()
     if not (isinstance(progress, dict) and isinstance(progress.get("generator"), Tensor)
@@ -281,7 +284,7 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
     for block in blocks:
         position = index[id(block.params[0])]
         check_block_state(block, position, state_dict["state"].get(position, {}),
-                          required=CALIBRATED if fixed.get("step_prior", 1.0) > 1 else ())
+                          required=CALIBRATED if block in widened else ())
 
 
 def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = ()) -> None:
