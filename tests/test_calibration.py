@@ -232,7 +232,7 @@ def test_nothing_to_compare_with_is_said_and_leaves_the_prior(case):
     if case == "one row":
         x, y = x[:1], y[:1]
     wrapped = AsDict(model) if case == "dict output" else model
-    opt = FOOVB(wrapped, "kronecker", calibrate_prior=0.5, seed=0)
+    opt = FOOVB(wrapped, "kronecker", calibrate_prior=0.5, step_prior=1, seed=0)  # step_prior: the same entries
     before = [block.state["input_sqrt_cov"].clone() for block in opt.blocks]
     with pytest.warns(UserWarning, match="not a tensor" if case == "dict output" else "do not vary"):
         opt.step(closure_of(lambda inputs: model(inputs) if wrapped is model else wrapped(inputs)["logits"], x, y))

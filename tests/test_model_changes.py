@@ -180,7 +180,7 @@ def test_a_layer_frozen_after_construction_is_left_out_of_the_step(family):
         return closure_of(model, summed_ce)()
 
     opt.step(closure)
-    assert len(seen) == 4 and all(all_equal(s, frozen_before) for s in seen)
+    assert len(seen) == 4 + opt.secant_check and all(all_equal(s, frozen_before) for s in seen)
     assert all_equal([opt.posterior(p).mean for p in model[0].parameters()], frozen_before)
     assert all_equal(list(model[0].parameters()), frozen_before)
     assert not all_equal(list(model[2].parameters()), list(mlp(seed=0)[2].parameters()))  # the head trained
