@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor")
+SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor", "step_prior", "secant_check")
 
 
 def row(run: Path, settings: str | None) -> str:

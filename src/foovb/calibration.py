@@ -128,7 +128,7 @@ def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     """The blocks step_prior widens: all but those of the last block's module (the model's output layer, in its
     parameter order) and but matrix-variate layers with a factor wider than STEP_PRIOR_MAX_WIDTH, where the swap's two
     eigendecompositions would cost more than the rest of the step (3.9x the default step on a 1024-100-100-10 MLP,
-    1.03x without its 785-wide input factor). The output layer's wider steps lost a class-incremental stream's first
+    1.03x without its 1,025-wide input factor). The output layer's wider steps lost a class-incremental stream's first
     task: the suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior
     (docs/results/step_prior.md)."""
     output_layer = blocks[-1:] if not blocks or blocks[-1].module is None else [

@@ -169,7 +169,7 @@ class FOOVB(Persistence):
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
-        self._progress = _Progress(warn_unchecked=secant_check is True)  # the preset's check skips them silently
+        self._progress = _Progress(warn_unchecked=bool(secant_check))  # the preset's check skips them silently
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
