@@ -205,9 +205,9 @@ def test_a_state_dict_without_the_step_priors_entries_is_refused():
 
 
 def test_a_first_update_that_overflows_names_the_step_prior():
-    x, y = data()
     """The layer named is the one with the widest mean step's prior: the hidden layer's prior is the narrower
     (variance 2 / 16 against 2 / 9), 16 times wider in its mean step; the output layer takes no step prior."""
+    x, y = data()
     opt = FOOVB(net(), "full", step_prior=16, mean_step=1e36, seed=0)
     with pytest.raises(FloatingPointError, match="At the first update, layer '0' .* smaller step_prior") as error:
         opt.step(ce_closure(opt.model, x, y))
