@@ -24,13 +24,13 @@ def divergence_advice(opt: FOOVB, grad_scale: float | None) -> str:
     if not growth and not opt._progress.prior_variances:
         return "No update succeeded before this one"
     widened = step_prior_blocks(opt.blocks) if opt.step_prior > 1 else []
-    widening = {block: opt.step_prior if block in widened else 1.0 for block in opt.blocks}
-    step_priors = {block: variance * widening[block] for block, variance in opt._progress.prior_variances.items()}
+    factors = {block: opt.step_prior if block in widened else 1.0 for block in opt.blocks}  # V / v0 (step_prior)
+    step_priors = {block: variance * factors[block] for block, variance in opt._progress.prior_variances.items()}
     ranking = growth or step_priors  # a divergence at the first update: the layer with the widest step prior
     block = max(ranking, key=ranking.get)
     names = {id(module): name for name, module in opt.model.named_modules()}
     name = names.get(id(block.module), "?") or "(the model itself)"
-    variance, widening = opt._progress.prior_variances[block], widening[block]
+    variance, widening = opt._progress.prior_variances[block], factors[block]
     rate = opt.mean_step * widening / opt.prior_scale * variance * (grad_scale or 1.0)  # eta V
     if not opt.implicit_mean:
         fix = "pass implicit_mean=True (each step bounded by the curvature it measures), or a smaller mean_step"

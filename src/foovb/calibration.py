@@ -142,10 +142,10 @@ def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
 
 
 def widen_step_prior(blocks: Sequence[PosteriorBlock], factor: float) -> None:
-    """step_prior: the mean step of every block `step_prior_blocks` picks takes a prior `factor` times its current
-    prior variance per weight (calibrate_prior's two state entries, v0 and V = factor v0;
-    `PosteriorBlock.mean_step_priors`); the other blocks take the algorithm's step."""
-    for block in step_prior_blocks(blocks):
+    """step_prior: every block's mean step takes a prior `factor` times its current prior variance per weight
+    (calibrate_prior's two state entries, v0 and V = factor v0; `PosteriorBlock.mean_step_priors`); FOOVB passes the
+    blocks `step_prior_blocks` picks, the others take the algorithm's step."""
+    for block in blocks:
         prior = variance_per_weight(block)
         if not torch.isfinite(prior * factor):
             raise ValueError(f"step_prior={factor:g} times the prior's variance per weight ({float(prior):.3g}) "

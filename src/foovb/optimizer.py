@@ -27,6 +27,7 @@ from .calibration import (
     first_model_call,
     first_tensor,
     restore_covariances,
+    step_prior_blocks,
     variance_per_weight,
     widen_step_prior,
 )
@@ -176,7 +177,7 @@ class FOOVB(Persistence):
                                    {**settings, "std_init": defaults["std_init"], "alpha": defaults["alpha"],
                                     "max_full_params": int(settings["max_full_params"])})
         if self.step_prior > 1:
-            widen_step_prior(self.blocks, self.step_prior)
+            widen_step_prior(step_prior_blocks(self.blocks), self.step_prior)
         self.load_mean_into_model()
         hold_module_hooks(self)  # the loss spy's, removed with the last optimizer
 
