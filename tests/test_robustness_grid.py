@@ -60,3 +60,27 @@ def test_the_summary_compares_with_the_best_learning_rate_of_each_baseline():
     assert row["kronecker_diverged"] and row["kronecker_average"] == 0.0  # a diverged run counts as chance or worse
     lines = grid.targets([row], "kronecker")
     assert "diverged in 1" in lines[0]
+
+
+def test_a_drift_run_records_its_first_task_as_learned_and_an_iid_run_does_not():
+    drift = grid.run_one(job("sgd_0.1", "regression/drift/64"))
+    assert math.isfinite(drift["first_learned"]) and drift["first_learned"] >= 0
+    assert drift["first_learned"] != drift["tasks"][0]  # evaluated before the drift, not at the end
+    assert "first_learned" not in grid.run_one(job("sgd_0.1", "regression/iid/64"))
+
+
+def test_the_targets_say_where_the_retention_target_is_out_of_reach():
+    def record(cell, learner, tag, tasks, learned):
+        return {"cell": cell, "learner": learner, "tag": tag, "seed": 0, "examples": 1, "error_metric": False,
+                "diverged": False, "tasks": tasks, "first_learned": learned}
+
+    records = []
+    for cell, baseline_first, learned in (("mlp/permuted/16", 85.0, 90.0), ("mlp/split/16", 60.0, 98.0)):
+        records += [record(cell, f"{kind}_{lr:g}", "baseline", [baseline_first, 80.0, 90.0], learned - 1)
+                    for kind, lrs in (("sgd", grid.SGD_LRS), ("adam", grid.ADAM_LRS)) for lr in lrs]
+        records.append(record(cell, "foovb_kronecker", "x", [baseline_first + 4, 80.0, 90.0], learned))
+    rows = [grid.cell_summary(records, cell, "x") for cell in ("mlp/permuted/16", "mlp/split/16")]
+    assert [row["best_first_learned"] for row in rows] == [90.0, 98.0]  # the best of every learner, FOO-VB's here
+    line = next(line for line in grid.targets(rows, "kronecker") if "reachable" in line)
+    # 85 + 10 > 90: out of reach; 60 + 10 <= 98: reachable, and FOO-VB's 64 did not keep it
+    assert "in 1/2 measured drift cells; kept in 0 of them" in line and "['mlp/permuted/16']" in line
