@@ -122,6 +122,19 @@ def test_invalid_hyperparameters_raise(name, kwargs):
         FOOVB(mlp(), **{**PAPER, **kwargs})
 
 
+def test_a_torch_optimizers_arguments_and_misspellings_are_told_what_to_pass():
+    """A user porting from Adam: lr, weight_decay, model.parameters() each get a one-line TypeError naming FOOVB's
+    counterpart; a misspelt setting gets the closest valid name."""
+    with pytest.raises(TypeError, match=r"'lr' \(.*mean_step.*param_groups"):
+        FOOVB(mlp(), lr=1e-3)
+    with pytest.raises(TypeError, match=r"arguments 'weight_decay' \(.*prior.*\), 'betas'"):
+        FOOVB(mlp(), weight_decay=1e-4, betas=(0.9, 0.999))
+    with pytest.raises(TypeError, match="'mean_stp' \\(did you mean 'mean_step'\\?\\)"):
+        FOOVB(mlp(), mean_stp=0.5)
+    with pytest.raises(TypeError, match=r"not FOOVB\(model.parameters\(\)\)\), got generator"):
+        FOOVB(mlp().parameters())
+
+
 def test_full_family_too_large_layer_reports_memory():
     with pytest.raises(ValueError, match=r"\d+\.\d+ GiB") as err:
         FOOVB(nn.Linear(100, 50), "full", **PAPER)  # 5050 > 4096 parameters

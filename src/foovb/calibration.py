@@ -31,7 +31,7 @@ over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 
 `FOOVB(..., step_prior=K)` sets the same two entries at construction, v0 the prior and V = K v0, so that the mean
 step's prior is K times the sampling prior's whether or not the prior is calibrated (with calibrate_prior, V is K
 times the uncalibrated prior: the calibration keeps it), on every layer but the output layer and matrix-variate
-layers wider than 512 (`step_prior_blocks`).
+layers with more than 512 inputs (bias included) or outputs (`step_prior_blocks`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ size; there is no silent default for it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from .validation import (
     refuse_accumulated_gradients,
     refuse_training_closure,
     trainable_blocks,
+    unknown_arguments,
 )
 
 __all__ = ["FOOVB", "PRESETS", "StatisticsReducer", "loss_reduction_of", "mix"]
@@ -154,9 +156,13 @@ class FOOVB(Persistence):
         max_full_params: int | None = None,
         loss_reduction: str = "auto",
         seed: int | None = None,
+        **unknown: object,
     ):
+        if unknown:
+            raise unknown_arguments(unknown, list(inspect.signature(FOOVB.__init__).parameters)[1:-1])
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"model must be an nn.Module (FOOVB(model), not FOOVB(model.parameters())), got "
+                            f"{type(model).__name__}")
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
             std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,

@@ -78,9 +78,9 @@ The arguments of FOOVB:
         acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
         unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer but the
-        output layer (the last parameter block's module) and but matrix-variate layers with more than 512 inputs or
-        outputs (`calibration.step_prior_blocks`); those take the algorithm's step. The matrix-variate family takes
-        two symmetric eigendecompositions per widened layer and step (an extension).
+        output layer (the last parameter block's module) and but matrix-variate layers with more than 512 inputs
+        (bias included) or outputs (`calibration.step_prior_blocks`); those take the algorithm's step. The
+        matrix-variate family takes two symmetric eigendecompositions per widened layer and step (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean

@@ -15,7 +15,16 @@ if TYPE_CHECKING:
     from .posteriors import PosteriorBlock
 
 __all__ = ["check_same_parameters", "inspection_seed", "is_boolean", "is_integer", "is_real",
-           "refuse_accumulated_gradients", "refuse_training_closure", "trainable_blocks"]
+           "refuse_accumulated_gradients", "refuse_training_closure", "trainable_blocks", "unknown_arguments"]
+
+# what a torch optimizer's arguments become in FOOVB (a user porting from SGD or Adam)
+TORCH_ARGUMENTS = {
+    "lr": "each weight's step is its posterior covariance times the gradient; mean_step (eta, the recommended 1 or "
+          "0.7) scales it and is param_groups[0]['lr'], which LR schedulers scale",
+    "weight_decay": "the prior regularises: std_init (or alpha) sets its width",
+    "momentum": "the step has none; the covariance carries what the past batches measured",
+    "betas": "the step has none; the covariance carries what the past batches measured",
+}
 
 
 def is_real(value: object) -> bool:
@@ -101,3 +110,16 @@ def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
     if not trainable_now:
         raise ValueError("every parameter is frozen (requires_grad=False): a step has nothing to train")
     return trainable_now
+
+
+def unknown_arguments(unknown: dict[str, object], valid: list[str]) -> TypeError:
+    """The TypeError for keyword arguments FOOVB does not take: what a torch optimizer's argument becomes here, or
+    the closest valid name."""
+    import difflib
+
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = TORCH_ARGUMENTS.get(name) or (f"did you mean {close[0]!r}?" if close else "see docs/api.md")
+        lines.append(f"{name!r} ({hint})")
+    return TypeError(f"FOOVB got unexpected keyword argument{'s' if len(lines) > 1 else ''} {', '.join(lines)}")
