@@ -397,9 +397,11 @@ def cell_summary(records: list[dict], cell: str, tag: str) -> dict | None:
     if len(baselines) < 2:
         return None
     # the first task right after it was learned, the best of any learner (every lr, both families of `tag`): what a
-    # learner that forgot nothing would keep; seed-averaged, from runs that recorded it
-    learned = [s["first_learned"] for learner in learner_names() for learner_tag in ("baseline", tag)
-               if (s := stats(learner, learner_tag)) is not None and math.isfinite(s["first_learned"])]
+    # learner that forgot nothing would keep; seed-averaged; only where every learner's runs recorded it (runs of
+    # an earlier version of this script did not)
+    runs = [s for learner in learner_names() for learner_tag in ("baseline", tag)
+            if (s := stats(learner, learner_tag)) is not None]
+    learned = [s["first_learned"] for s in runs] if all(math.isfinite(s["first_learned"]) for s in runs) else []
     best_average = better(b["average"] for b in baselines.values())
     best_first = better(b["first"] for b in baselines.values())
     row = {"cell": cell, "half": half_of(cell), "metric": "mse" if error else "accuracy",

@@ -84,3 +84,10 @@ def test_the_targets_say_where_the_retention_target_is_out_of_reach():
     line = next(line for line in grid.targets(rows, "kronecker") if "reachable" in line)
     # 85 + 10 > 90: out of reach; 60 + 10 <= 98: reachable, and FOO-VB's 64 did not keep it
     assert "in 1/2 measured drift cells; kept in 0 of them" in line and "['mlp/permuted/16']" in line
+    # baselines run by an earlier version of the script recorded no first task as learned: no ceiling claimed
+    for r in records:
+        if r["learner"] != "foovb_kronecker":
+            del r["first_learned"]
+    rows = [grid.cell_summary(records, cell, "x") for cell in ("mlp/permuted/16", "mlp/split/16")]
+    assert all("best_first_learned" not in row for row in rows)
+    assert not any("reachable" in line for line in grid.targets(rows, "kronecker"))
