@@ -4,6 +4,7 @@ the model's state when a step starts (its parameters, their gradients, which of 
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -115,8 +116,6 @@ def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
 def unknown_arguments(unknown: dict[str, object], valid: list[str]) -> TypeError:
     """The TypeError for keyword arguments FOOVB does not take: what a torch optimizer's argument becomes here, or
     the closest valid name."""
-    import difflib
-
     lines = []
     for name in unknown:
         close = difflib.get_close_matches(name, valid, n=1)
