@@ -35,14 +35,14 @@ import robustness_grid as grid  # noqa: E402
 
 import foovb.calibration  # noqa: E402
 import foovb.posteriors as posteriors  # noqa: E402
-from foovb.linalg import prior_swapped  # noqa: E402
+from foovb.linalg import factor_eigh, prior_swapped_in_eigenbases  # noqa: E402
 from foovb.linalg import prior_swapped_kronecker_product as exact_product  # noqa: E402
 
+WIDE = foovb.calibration.STEP_PRIOR_MAX_WIDTH  # the library's limit: wider factors take the cached eigendecomposition
 foovb.calibration.STEP_PRIOR_MAX_WIDTH = int(os.environ.get("PROBE_MAX_WIDTH", foovb.calibration.STEP_PRIOR_MAX_WIDTH))
 REFRESH = int(os.environ.get("PROBE_REFRESH", "0"))
 DELTA = float(os.environ.get("PROBE_DELTA", "0"))
 RAYLEIGH = os.environ.get("PROBE_RAYLEIGH") == "1"
-WIDE = 512  # factors wider than this take the cached eigendecomposition
 COUNTS = {"calls": 0, "refreshes": 0}
 
 
@@ -68,7 +68,7 @@ def eigh(block: object, name: str, sqrt_cov: Tensor) -> tuple[Tensor, Tensor]:
     else:
         stale = REFRESH <= 0 or count % REFRESH == 0
     if not wide or stale:
-        values, vectors = torch.linalg.eigh((sqrt_cov @ sqrt_cov.T).double())
+        values, vectors = factor_eigh(sqrt_cov)
         cache[name], cache[name + "_reference"] = (values, vectors), sqrt_cov.clone()
         cache[name + "_norm"] = float(values.max().clamp_min(0).sqrt())
         COUNTS["refreshes"] += wide
@@ -82,11 +82,8 @@ def eigh(block: object, name: str, sqrt_cov: Tensor) -> tuple[Tensor, Tensor]:
 def cached_product(block: object, matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Tensor, prior: Tensor,
                    new_prior: Tensor) -> Tensor:
     """`foovb.linalg.prior_swapped_kronecker_product` with the eigendecompositions of `eigh`."""
-    input_variances, u = eigh(block, "input", input_sqrt_cov)
-    output_variances, w = eigh(block, "output", output_sqrt_cov)
-    products = (output_variances[:, None] * input_variances[None, :]).clamp_min(0)
-    rotated = w.T @ matrix.double() @ u
-    return (w @ (rotated * prior_swapped(products, prior, new_prior)) @ u.T).to(matrix.dtype)
+    return prior_swapped_in_eigenbases(matrix, eigh(block, "input", input_sqrt_cov),
+                                       eigh(block, "output", output_sqrt_cov), prior, new_prior)
 
 
 original_update = posteriors.KroneckerBlock.update

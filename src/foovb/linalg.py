@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["LowRank", "left_singular_pairs", "root_scale", "signed_root_scale", "solve_fixed_point",
-           "sqrt_covariance_update", "prior_swapped", "prior_swapped_product", "prior_swapped_kronecker_product"]
+           "sqrt_covariance_update", "prior_swapped", "prior_swapped_product", "prior_swapped_kronecker_product",
+           "factor_eigh", "prior_swapped_in_eigenbases"]
 
 
 def root_scale(singular_values: Tensor) -> Tensor:
@@ -241,9 +242,14 @@ def prior_swapped(variances: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor
     return torch.maximum(1 / (1 / work.clamp(max=prior) - 1 / prior + 1 / new_prior), work).to(variances.dtype)
 
 
+def factor_eigh(sqrt_cov: Tensor) -> tuple[Tensor, Tensor]:
+    """The symmetric eigendecomposition (eigenvalues, eigenvectors) of A A^T in float64."""
+    return torch.linalg.eigh((sqrt_cov @ sqrt_cov.T).double())
+
+
 def prior_swapped_product(vector: Tensor, sqrt_cov: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
     """`prior_swapped`(Sigma) times `vector`, for Sigma = A A^T, in Sigma's eigenbasis (float64)."""
-    variances, u = torch.linalg.eigh((sqrt_cov @ sqrt_cov.T).double())
+    variances, u = factor_eigh(sqrt_cov)
     product = u @ (prior_swapped(variances.clamp_min(0), prior, new_prior) * (u.T @ vector.double()))
     return product.to(vector.dtype)
 
@@ -252,8 +258,14 @@ def prior_swapped_kronecker_product(matrix: Tensor, input_sqrt_cov: Tensor, outp
                                     new_prior: Tensor) -> Tensor:
     """`prior_swapped`(Sigma) times `matrix` (p x n) for Sigma = A A^T (x) B B^T, whose eigenvalues are the products of
     the factors' (float64): W ((W^T matrix U) * prior_swapped(mu lambda^T)) U^T."""
-    input_variances, u = torch.linalg.eigh((input_sqrt_cov @ input_sqrt_cov.T).double())
-    output_variances, w = torch.linalg.eigh((output_sqrt_cov @ output_sqrt_cov.T).double())
+    return prior_swapped_in_eigenbases(matrix, factor_eigh(input_sqrt_cov), factor_eigh(output_sqrt_cov), prior,
+                                       new_prior)
+
+
+def prior_swapped_in_eigenbases(matrix: Tensor, input_eigh: tuple[Tensor, Tensor], output_eigh: tuple[Tensor, Tensor],
+                                prior: Tensor, new_prior: Tensor) -> Tensor:
+    """`prior_swapped_kronecker_product` from the factors' eigendecompositions (`factor_eigh`)."""
+    (input_variances, u), (output_variances, w) = input_eigh, output_eigh
     products = (output_variances[:, None] * input_variances[None, :]).clamp_min(0)
     rotated = w.T @ matrix.double() @ u
     return (w @ (rotated * prior_swapped(products, prior, new_prior)) @ u.T).to(matrix.dtype)
