@@ -42,7 +42,7 @@ import robustness_grid as grid  # noqa: E402
 
 import foovb.optimizer  # noqa: E402
 import foovb.posteriors  # noqa: E402
-from foovb.calibration import STEP_PRIOR_MAX_WIDTH, widen_step_prior  # noqa: E402
+from foovb.calibration import widen_step_prior  # noqa: E402
 from foovb.linalg import prior_swapped_kronecker_product  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def factored_product(matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Te
 
 def narrow_product(matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Tensor, prior: Tensor,
                    new_prior: Tensor) -> Tensor:
-    if max(len(input_sqrt_cov), len(output_sqrt_cov)) > STEP_PRIOR_MAX_WIDTH:  # the algorithm's step, B B^T E A A^T
+    if max(len(input_sqrt_cov), len(output_sqrt_cov)) > 512:  # the algorithm's step, B B^T E A A^T
         return output_sqrt_cov @ (output_sqrt_cov.T @ matrix @ input_sqrt_cov) @ input_sqrt_cov.T
     return prior_swapped_kronecker_product(matrix, input_sqrt_cov, output_sqrt_cov, prior, new_prior)
 
@@ -78,12 +78,19 @@ def other_head(blocks: list, factor: float, head_factor: float) -> None:
         widen_step_prior(blocks[-1:], head_factor)
 
 
+def use_product(product: object) -> None:
+    """KroneckerBlock's step_prior mean step taken by product(matrix, A, B, v0, V), A and B the step's factors (the
+    library's eigendecompositions bypassed)."""
+    foovb.posteriors.refreshed_factor_eigh = lambda sqrt_cov, *_: sqrt_cov
+    foovb.posteriors.prior_swapped_in_eigenbases = product
+
+
 # the probes' forms choose their own blocks: every one (the library since session 45: `step_prior_blocks`)
 foovb.optimizer.step_prior_blocks = list
 if sys.argv[1:2] == ["suite-factored"] or re.search(r"--tag\S*\s+\S*sp16f", " ".join(sys.argv)):
-    foovb.posteriors.prior_swapped_kronecker_product = factored_product
+    use_product(factored_product)
 elif re.search(r"--tag\S*\s+\S*sp16n512", " ".join(sys.argv)):
-    foovb.posteriors.prior_swapped_kronecker_product = narrow_product
+    use_product(narrow_product)
     if re.search(r"--tag\S*\s+\S*sp16n512b", " ".join(sys.argv)):
         foovb.optimizer.step_prior_blocks = body_only
     elif head := re.search(r"--tag\S*\s+\S*sp16n512h(\d+(?:\.\d+)?)", " ".join(sys.argv)):

@@ -6,8 +6,10 @@ too):
 * PROBE_MAX_WIDTH: `foovb.calibration.STEP_PRIOR_MAX_WIDTH` (the library's 512; 100000 lifts the limit);
 * PROBE_DELTA > 0: the eigendecompositions of matrix-variate factors wider than 512 are cached per block and refreshed
   only when the spectral norm of A - A_ref (A the factor's square root, A_ref the one at the last refresh; power
-  iteration) exceeds PROBE_DELTA times A_ref's; PROBE_REFRESH = T > 0 instead refreshes every T steps of the block
-  (PROBE_RAYLEIGH=1: with the stale basis's eigenvalues taken afresh every step, ||A^T u_i||^2). Neither: exact.
+  iteration) exceeds PROBE_DELTA times A_ref's (the library's rule since session 47, `foovb.linalg.
+  refreshed_factor_eigh`, with PROBE_DELTA as its REFRESH_TOLERANCE); PROBE_REFRESH = T > 0 instead refreshes every T
+  steps of the block (PROBE_RAYLEIGH=1: with the stale basis's eigenvalues taken afresh every step, ||A^T u_i||^2).
+  Neither: exact, every factor decomposed every step.
 
 Every run's record gets `probe_wide_refresh_fraction`, the share of the wide factors' steps that recomputed their
 eigendecomposition. Everything else is `benchmarks/robustness_grid.py`, whose arguments this takes:
@@ -21,12 +23,10 @@ and prints the refresh fraction at the end.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -34,67 +34,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import robustness_grid as grid  # noqa: E402
 
 import foovb.calibration  # noqa: E402
+import foovb.linalg  # noqa: E402
 import foovb.posteriors as posteriors  # noqa: E402
-from foovb.linalg import factor_eigh, prior_swapped_in_eigenbases  # noqa: E402
-from foovb.linalg import prior_swapped_kronecker_product as exact_product  # noqa: E402
+from foovb.linalg import EighCache, factor_eigh, refreshed_factor_eigh  # noqa: E402
 
-WIDE = foovb.calibration.STEP_PRIOR_MAX_WIDTH  # the library's limit: wider factors take the cached eigendecomposition
+WIDE = foovb.linalg.WIDE_FACTOR  # wider factors take the cached eigendecomposition
 foovb.calibration.STEP_PRIOR_MAX_WIDTH = int(os.environ.get("PROBE_MAX_WIDTH", foovb.calibration.STEP_PRIOR_MAX_WIDTH))
 REFRESH = int(os.environ.get("PROBE_REFRESH", "0"))
 DELTA = float(os.environ.get("PROBE_DELTA", "0"))
 RAYLEIGH = os.environ.get("PROBE_RAYLEIGH") == "1"
 COUNTS = {"calls": 0, "refreshes": 0}
+STEPS: dict[int, int] = {}  # PROBE_REFRESH: the steps each cache has seen
 
 
-def spectral_norm(matrix: Tensor, iterations: int = 8) -> float:
-    """||matrix||_2 by power iteration on matrix^T matrix (a few matrix-vector products)."""
-    v = torch.ones(matrix.shape[1], dtype=matrix.dtype) / matrix.shape[1] ** 0.5
-    for _ in range(iterations):
-        v = matrix.T @ (matrix @ v)
-        v = v / v.norm().clamp_min(1e-30)
-    return float((matrix @ v).norm())
+def counted_eigh(sqrt_cov: Tensor) -> tuple[Tensor, Tensor]:
+    """`foovb.linalg.factor_eigh`, counting the wide factors' decompositions."""
+    COUNTS["refreshes"] += len(sqrt_cov) > WIDE
+    return factor_eigh(sqrt_cov)
 
 
-def eigh(block: object, name: str, sqrt_cov: Tensor) -> tuple[Tensor, Tensor]:
-    """The factor's eigendecomposition: exact for narrow factors, cached and refreshed by the rule for wide ones."""
-    cache = block.__dict__.setdefault("_probe_cache", {})
-    count = cache.get(name + "_count", 0)
-    cache[name + "_count"] = count + 1
-    wide = len(sqrt_cov) > WIDE
-    COUNTS["calls"] += wide
-    if DELTA > 0:
-        reference = cache.get(name + "_reference")
-        stale = reference is None or spectral_norm(sqrt_cov - reference) > DELTA * cache[name + "_norm"]
-    else:
-        stale = REFRESH <= 0 or count % REFRESH == 0
-    if not wide or stale:
-        values, vectors = factor_eigh(sqrt_cov)
-        cache[name], cache[name + "_reference"] = (values, vectors), sqrt_cov.clone()
-        cache[name + "_norm"] = float(values.max().clamp_min(0).sqrt())
-        COUNTS["refreshes"] += wide
-        return values, vectors
-    values, vectors = cache[name]
+def every_t_steps(sqrt_cov: Tensor, state: dict, key: str, cache: EighCache) -> tuple[Tensor, Tensor]:
+    """PROBE_REFRESH: a wide factor's decomposition refreshed every T steps of its block (optionally its eigenvalues
+    taken afresh in the stale basis every step)."""
+    if len(sqrt_cov) <= WIDE:
+        return factor_eigh(sqrt_cov)
+    count = STEPS[id(cache)] = STEPS.get(id(cache), -1) + 1
+    if count % REFRESH == 0:
+        cache.eigh = counted_eigh(sqrt_cov)
+    values, vectors = cache.eigh
     if RAYLEIGH:
         values = (vectors.T @ sqrt_cov.double()).square().sum(1)
     return values, vectors
 
 
-def cached_product(block: object, matrix: Tensor, input_sqrt_cov: Tensor, output_sqrt_cov: Tensor, prior: Tensor,
-                   new_prior: Tensor) -> Tensor:
-    """`foovb.linalg.prior_swapped_kronecker_product` with the eigendecompositions of `eigh`."""
-    return prior_swapped_in_eigenbases(matrix, eigh(block, "input", input_sqrt_cov),
-                                       eigh(block, "output", output_sqrt_cov), prior, new_prior)
-
-
-original_update = posteriors.KroneckerBlock.update
-
-
-def update(self: posteriors.KroneckerBlock, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
-    posteriors.prior_swapped_kronecker_product = functools.partial(cached_product, self)
-    try:
-        original_update(self, stats, num_samples, mean_step, cov_step)
-    finally:
-        posteriors.prior_swapped_kronecker_product = exact_product
+def counted_refreshed_eigh(sqrt_cov: Tensor, state: dict, key: str, cache: EighCache) -> tuple[Tensor, Tensor]:
+    """The mean step's factor decompositions, by the probe's rule, counting the wide factors' calls."""
+    COUNTS["calls"] += len(sqrt_cov) > WIDE
+    if REFRESH > 0:
+        return every_t_steps(sqrt_cov, state, key, cache)
+    if DELTA > 0:
+        return refreshed_factor_eigh(sqrt_cov, state, key, cache, DELTA)
+    return counted_eigh(sqrt_cov)  # exact
 
 
 original_run_one = grid.run_one
@@ -107,8 +87,8 @@ def counted_run_one(job: dict) -> dict:
     return record
 
 
-if DELTA > 0 or REFRESH > 0:
-    posteriors.KroneckerBlock.update = update
+foovb.linalg.factor_eigh = counted_eigh
+posteriors.refreshed_factor_eigh = counted_refreshed_eigh
 grid.run_one = counted_run_one
 
 if __name__ == "__main__":

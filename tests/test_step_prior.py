@@ -234,13 +234,14 @@ def test_half_precision_variances_are_swapped_in_float32(dtype):
 @pytest.mark.parametrize("family", ["diagonal", "kronecker", "auto"])
 def test_the_output_layer_and_wide_matrix_layers_take_the_algorithms_step(family):
     """step_prior widens every block but the last module's (weight and bias alike) and but matrix-variate layers
-    with a factor wider than 512 (their eigendecompositions would be most of the step); a norm layer's diagonal
-    blocks in the matrix-variate family are widened."""
+    with a factor wider than posterior="auto" makes (1,024 inputs and the bias); a norm layer's diagonal blocks in
+    the matrix-variate family are widened, and so is "auto"'s widest matrix-variate layer."""
     model = nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8),
-                          nn.Linear(8, 3))  # the first layer's input factor: 512 inputs + 1 (bias)
+                          nn.Linear(8, 3))  # the first layer's input factor: 1,025 inputs + 1 (bias)
     opt = FOOVB(model, family, step_prior=4)
     widened = {name: bool(block.mean_step_priors()) for block in opt.blocks
                for name, module in model.named_modules() if module is block.module}
-    matrix = family != "diagonal"
-    assert widened == {"0": not matrix, "2": True, "3": True, "4": False}
+    assert widened == {"0": family != "kronecker", "2": True, "3": True, "4": False}  # "auto": 0 is diagonal
+    widest = FOOVB(nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH - 1, 8), nn.Linear(8, 3)), "auto", step_prior=4)
+    assert widest.blocks[0].family == "kronecker" and widest.blocks[0].mean_step_priors()
     assert FOOVB(nn.Linear(4, 2), family, step_prior=4).blocks[0].mean_step_priors() == ()  # only an output layer

@@ -31,7 +31,8 @@ over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 
 `FOOVB(..., step_prior=K)` sets the same two entries at construction, v0 the prior and V = K v0, so that the mean
 step's prior is K times the sampling prior's whether or not the prior is calibrated (with calibrate_prior, V is K
 times the uncalibrated prior: the calibration keeps it), on every layer but the output layer and matrix-variate
-layers with more than 512 inputs (bias included) or outputs (`step_prior_blocks`).
+layers with more than 1,025 inputs (bias included) or outputs (`step_prior_blocks`). Factors wider than 512 keep
+their eigendecomposition until they move by more than a tenth (`linalg.refreshed_factor_eigh`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ from torch import Tensor, nn
 
 from .engine import RunningStatistics
 from .posteriors import CALIBRATED, DiagonalBlock, KroneckerBlock, PosteriorBlock
+from .priors import AUTO_MAX_FEATURES
 
 SAMPLES = 10  # sampled networks per measurement
 ROUNDS = 10  # measurements at most
 SLACK = 1.1  # a ratio up to SLACK x TARGET is accepted
 MIN_SHRINK = 0.05  # the variance shrinks by at most 20x per round
-STEP_PRIOR_MAX_WIDTH = 512  # step_prior's widest matrix-variate factor (`step_prior_blocks`)
+STEP_PRIOR_MAX_WIDTH = AUTO_MAX_FEATURES + 1  # step_prior's widest matrix-variate factor: posterior="auto"'s
 
 
 def first_tensor(output: object) -> Tensor | None:
@@ -126,11 +128,11 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
 
 def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     """The blocks step_prior widens: all but those of the last block's module (the model's output layer, in its
-    parameter order) and but matrix-variate layers with a factor wider than STEP_PRIOR_MAX_WIDTH, where the swap's two
-    eigendecompositions would cost more than the rest of the step (3.9x the default step on a 1024-100-100-10 MLP,
-    1.03x without its 1,025-wide input factor). The output layer's wider steps lost a class-incremental stream's first
-    task: the suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior
-    (docs/results/step_prior.md)."""
+    parameter order) and but matrix-variate layers with a factor wider than STEP_PRIOR_MAX_WIDTH (those that
+    posterior="kronecker" makes matrix-variate beyond "auto"'s limit: their eigendecompositions, even refreshed
+    rarely, were not measured). The output layer's wider steps lost a class-incremental stream's first task: the
+    suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior (docs/results/
+    step_prior.md)."""
     output_layer = blocks[-1:] if not blocks or blocks[-1].module is None else [
         block for block in blocks if block.module is blocks[-1].module]
 
@@ -173,16 +175,16 @@ def covariances(blocks: Sequence[PosteriorBlock]) -> dict[PosteriorBlock, dict[s
 
 @torch.no_grad()
 def restore_covariances(saved: dict[PosteriorBlock, dict[str, Tensor]]) -> None:
-    """The covariances `covariances` copied, in place, and the calibration's entries as they were (none, or
-    step_prior's): a first step that failed after the calibration leaves the prior as it was."""
+    """The covariances `covariances` copied, in place, and the other entries as they were (the calibration's: none,
+    or step_prior's): a first step that failed after the calibration leaves the prior as it was."""
     for block, entries in saved.items():
-        for key in CALIBRATED:
-            block.state.pop(key, None)
+        for key in [key for key in block.state if key != "mean" and key not in entries]:
+            del block.state[key]
         for key, value in entries.items():
-            if key in CALIBRATED:
-                block.state[key] = value
-            else:
+            if key in block.state and key not in CALIBRATED:
                 block.state[key].copy_(value)
+            else:
+                block.state[key] = value
 
 
 def first_model_call(model: nn.Module, closure: Callable[[], Tensor]) -> tuple[tuple, dict] | None:

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from .linalg import (
+    EighCache,
     LowRank,
     prior_swapped,
-    prior_swapped_kronecker_product,
+    prior_swapped_in_eigenbases,
     prior_swapped_product,
+    refreshed_factor_eigh,
     root_scale,
     signed_root_scale,
     sqrt_covariance_update,
@@ -34,6 +36,7 @@ __all__ = ["PosteriorBlock", "DiagonalBlock", "KroneckerBlock", "FullBlock", "Po
 
 FAMILIES = ("diagonal", "kronecker", "full")
 CALIBRATED = ("calibrated_prior_variance", "uncalibrated_prior_variance")  # the mean step's priors (calibration)
+AT_REFRESH = ("input_sqrt_cov_at_refresh", "output_sqrt_cov_at_refresh")  # wide factors at their last eigh (linalg)
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class PosteriorBlock(ABC):
     """One independent Gaussian block q(theta_block) = N(mean, Sigma)."""
 
     family: str
-    # state entries that not every block holds (calibrate_prior's and step_prior's v0 and V: `foovb.calibration`)
-    optional_state: tuple[str, ...] = CALIBRATED
+    # entries not every block holds (v0 and V: foovb.calibration) -> the entry whose shape they have (None: 0-dim)
+    optional_state: dict[str, str | None] = dict.fromkeys(CALIBRATED)
     # how each Monte Carlo sum scales with the loss: 1 (linear in the gradients, the default), 2 (a sum of squared
     # gradients) or 0 (a sum of the noise alone); `engine.scale_statistics` rescales a mean loss's sums by these
     statistic_powers: dict[str, int] = {}
@@ -172,7 +175,7 @@ class DiagonalBlock(PosteriorBlock):
     """Diagonal Gaussian over one parameter tensor (Algorithm 4; Eq. "diagonal implicit solution")."""
 
     family = "diagonal"
-    optional_state = ("grad_noise_average", *CALIBRATED)
+    optional_state = {"grad_noise_average": "mean", **dict.fromkeys(CALIBRATED)}
     noise_reusable = True
 
     def __init__(self, param: nn.Parameter, state: dict, std_init: float, module: nn.Module | None = None,
@@ -296,6 +299,7 @@ class KroneckerBlock(PosteriorBlock):
     """
 
     family = "kronecker"
+    optional_state = {**dict.fromkeys(CALIBRATED), AT_REFRESH[0]: "input_sqrt_cov", AT_REFRESH[1]: "output_sqrt_cov"}
 
     def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
                  init: str, implicit_mean: bool = False):
@@ -305,6 +309,7 @@ class KroneckerBlock(PosteriorBlock):
         self.out_features = weight.shape[0]
         self.in_features = weight[0].numel()
         self.has_bias = module.bias is not None
+        self.eigh_caches = {key: EighCache() for key in AT_REFRESH}
         n = self.in_features + int(self.has_bias)
         if not state:
             if init != "keep":  # "paper", "bgd", "alpha": the bias is a column of the mean matrix here
@@ -383,9 +388,8 @@ class KroneckerBlock(PosteriorBlock):
         it is per sample (c, r, n).
 
         Args: noise Phi (c, p, n); delta (c, r, p), the errors dL/dY_k (times the scale to L_n, or the sums scaled
-        later: they are linear in delta); x_aug (r, n)
-        or (c, r, n); noise_pre = X_aug A Phi_k^T (c, r, p); psi_sum: sum_k Psi_k where the caller has it (the
-        dense gradient of the sequential path), else computed from Delta and X_aug."""
+        later: they are linear in delta); x_aug (r, n) or (c, r, n); noise_pre = X_aug A Phi_k^T (c, r, p); psi_sum:
+        sum_k Psi_k where the caller has it (the dense gradient of the sequential path), else from Delta and X_aug."""
         b = self.state["output_sqrt_cov"]
         delta_b_phi = (delta @ b) @ noise  # (c, r, n)
         if psi_sum is not None:
@@ -413,8 +417,10 @@ class KroneckerBlock(PosteriorBlock):
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
         self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
-        if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration)
-            mean.sub_(mean_step * prior_swapped_kronecker_product(e1, a, b, *priors))
+        if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration), in the factors'
+            eighs = [refreshed_factor_eigh(factor, self.state, key, self.eigh_caches[key])  # eigenbases (a wide one's
+                     for key, factor in zip(AT_REFRESH, (a, b), strict=True)]  # refreshed as it moves: linalg)
+            mean.sub_(mean_step * prior_swapped_in_eigenbases(e1, *eighs, *priors))
         else:
             mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
 

@@ -100,7 +100,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
-from .posteriors import CALIBRATED, FAMILIES, PosteriorBlock
+from .posteriors import AT_REFRESH, CALIBRATED, FAMILIES, PosteriorBlock
 from .priors import AUTO, XAVIER
 from .validation import is_boolean, is_integer, is_real
 
@@ -228,7 +228,7 @@ def resolve(posterior: object, preset: object, given: dict[str, object]) -> dict
 
 # The matrix square roots of covariances in a block's state (KroneckerBlock's factors, FullBlock's); DiagonalBlock's
 # elementwise one is its "std"
-SQRT_COVS = ("input_sqrt_cov", "output_sqrt_cov", "sqrt_cov")
+SQRT_COVS = ("input_sqrt_cov", "output_sqrt_cov", "sqrt_cov", *AT_REFRESH)
 
 
 def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, settings: dict) -> dict:
@@ -302,8 +302,8 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
     are: Lemma 2 keeps them nonsingular). O(size): no decomposition."""
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
-    own_state.update({key: block.state["mean"].new_zeros(()) if key in CALIBRATED else block.state["mean"]
-                      for key in block.optional_state if key in saved or key in required})
+    own_state.update({key: block.state["mean"].new_zeros(()) if like is None else block.state[like]
+                      for key, like in block.optional_state.items() if key in saved or key in required})
     for key, own in own_state.items():
         value = saved.get(key)
         if not isinstance(value, Tensor) or value.shape != own.shape:
