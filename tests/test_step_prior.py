@@ -200,7 +200,8 @@ def test_a_state_dict_without_the_step_priors_entries_is_refused():
     """Dropped entries would turn the option off silently (the entries are optional for calibrate_prior)."""
     saved = FOOVB(net(), "kronecker", step_prior=16).state_dict()
     saved["state"][0].pop("uncalibrated_prior_variance")  # the hidden layer's (the output layer holds none)
-    with pytest.raises(ValueError, match="needs 'uncalibrated_prior_variance'"):
+    with pytest.raises(ValueError, match="has no 'uncalibrated_prior_variance' for the kronecker posterior of "
+                                         "parameter 0 .* step_prior widens"):
         FOOVB(net(), "kronecker", step_prior=16).load_state_dict(saved)
 
 

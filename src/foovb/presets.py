@@ -78,9 +78,10 @@ The arguments of FOOVB:
         acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
         unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer but the
-        output layer (the last parameter block's module) and but matrix-variate layers with more than 512 inputs
-        (bias included) or outputs (`calibration.step_prior_blocks`); those take the algorithm's step. The
-        matrix-variate family takes two symmetric eigendecompositions per widened layer and step (an extension).
+        output layer (the last parameter block's module) and but matrix-variate layers wider than posterior="auto"
+        makes them, more than 1,025 inputs (bias included) or outputs (`calibration.step_prior_blocks`); those take
+        the algorithm's step. The matrix-variate family takes the step in the eigenbases of the layer's two factors,
+        a factor wider than 512 decomposed anew only when it has moved by more than a tenth since (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
@@ -306,6 +307,10 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
                       for key, like in block.optional_state.items() if key in saved or key in required})
     for key, own in own_state.items():
         value = saved.get(key)
+        if key in CALIBRATED and value is None:
+            raise ValueError(f"the state dict has no {key!r} for {name}, which this FOOVB's step_prior widens: the "
+                             "entry was removed, or a foovb from before 2026-11-28 saved it, whose step_prior left "
+                             "out layers wider than 512 (this version cannot resume such a run)")
         if not isinstance(value, Tensor) or value.shape != own.shape:
             found = tuple(value.shape) if isinstance(value, Tensor) else saved.get(key, "missing")
             raise ValueError(f"the state dict does not fit this model: {name} needs {key!r} of shape "
