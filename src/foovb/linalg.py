@@ -42,7 +42,7 @@ from torch import Tensor
 
 __all__ = ["LowRank", "left_singular_pairs", "root_scale", "signed_root_scale", "solve_fixed_point",
            "sqrt_covariance_update", "prior_swapped", "prior_swapped_product", "prior_swapped_kronecker_product",
-           "factor_eigh", "prior_swapped_in_eigenbases"]
+           "factor_eigh", "prior_swapped_in_eigenbases", "spectral_norm", "EighCache", "refreshed_factor_eigh"]
 
 
 def root_scale(singular_values: Tensor) -> Tensor:

@@ -123,9 +123,9 @@ POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordab
 # grid 190-fold) while keeping most of the plasticity multi-pass streams need (beta 1 loses 3-5 points on permuted
 # MNIST at 2 passes per task); the model's own weights as the prior mean with each layer's own prior std
 # (std_init="xavier", priors.py). docs/results.md, "A default that holds". The matrix-variate family's mean step
-# also takes a prior 16 times wider on its hidden layers (step_prior) and the secant check: on the robustness grid's
-# tuning half they kept the first task 10 points above the best baseline in 16 and 14 of 23 drift cells (seeds 0,
-# 1) against 11 and 12, with 2 and 0 of 26 cells more than 2 points below it against 5 and 4
+# also takes a prior 16 times wider on every layer but the output layer (step_prior) and the secant check: on the
+# robustness grid's tuning half they kept the first task 10 points above the best baseline in 19 and 16 of 23 drift
+# cells (seeds 0, 1) against 11 and 12, with 1 and 0 of 26 cells more than 2 points below it against 5 and 4
 # (docs/results/step_prior.md); on the diagonal family the step prior threw regression nets off. The full family's
 # recommendation is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
