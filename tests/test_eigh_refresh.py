@@ -140,3 +140,15 @@ def test_restoring_the_covariances_drops_entries_made_since():
     restore_covariances(saved)
     assert AT_REFRESH[0] not in opt.blocks[0].state
     assert torch.equal(opt.blocks[0].state["input_sqrt_cov"], saved[opt.blocks[0]]["input_sqrt_cov"])
+
+
+def test_a_non_tensor_entry_is_named_by_its_type():
+    """A state dict that went through JSON holds lists: the refusal names the type, not the values."""
+    model = wide_model()
+    opt = FOOVB(model, "kronecker", step_prior=16, mc_samples=2)
+    steps(opt, model, 1)
+    saved = opt.state_dict()
+    saved["state"][0][AT_REFRESH[0]] = saved["state"][0][AT_REFRESH[0]].tolist()
+    with pytest.raises(ValueError, match=r"of shape \(521, 521\), found a list, not a tensor$") as error:
+        FOOVB(wide_model(), "kronecker", step_prior=16, mc_samples=2).load_state_dict(saved)
+    assert len(str(error.value)) < 300

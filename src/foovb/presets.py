@@ -309,10 +309,12 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
         value = saved.get(key)
         if key in CALIBRATED and value is None:
             raise ValueError(f"the state dict has no {key!r} for {name}, which this FOOVB's step_prior widens: the "
-                             "entry was removed, or a foovb from before 2026-11-28 saved it, whose step_prior left "
-                             "out layers wider than 512 (this version cannot resume such a run)")
+                             "entry was removed, or an earlier foovb saved it, whose step_prior left out layers wider "
+                             "than 512; this version cannot resume it: resume with the foovb that saved it, or load "
+                             "only the model's weights into a new FOOVB (its covariance starts from the prior)")
         if not isinstance(value, Tensor) or value.shape != own.shape:
-            found = tuple(value.shape) if isinstance(value, Tensor) else saved.get(key, "missing")
+            found = (tuple(value.shape) if isinstance(value, Tensor) else "none" if key not in saved
+                     else f"a {type(value).__name__}, not a tensor")
             raise ValueError(f"the state dict does not fit this model: {name} needs {key!r} of shape "
                              f"{tuple(own.shape)}, found {found}")
         problem = _value_problem(key, value, own)
