@@ -12,6 +12,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from closure_path import bare_diagonal_loop  # noqa: E402
+from step_prior_cost import Learner  # noqa: E402
 from step_time import mlp, step_and_update_ms  # noqa: E402
 
 from foovb import FOOVB  # noqa: E402
@@ -44,3 +45,23 @@ def test_the_bare_loop_evaluates_k_sampled_networks_and_restores_the_mean():
     bare_diagonal_loop(x, y, 4, model)()
     assert len(calls) == 4 and min(calls) > 0.01  # each pass saw a sampled network (std 0.047)
     assert all(torch.allclose(p, b, atol=1e-6) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_step_prior_costs_settings_patch_what_they_name():
+    """step_prior_cost.py: `exact` decomposes the 1,025-wide input factor at every step, the default at its first
+    (then as it moves), `narrow` and `no_step_prior` never; the library's constants are restored after each turn."""
+    import foovb.calibration
+    import foovb.linalg
+
+    limits = (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_WIDTH)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 1024, generator=generator), torch.randint(10, (8,), generator=generator))
+               for _ in range(2)]
+    counts = {}
+    for name in ("default", "exact", "narrow", "no_step_prior"):
+        learner = Learner(name)
+        learner.train(batches)
+        counts[name] = learner.decompositions
+        assert learner.steps == 2 and learner.seconds > 0
+    assert counts == {"default": 1, "exact": 2, "narrow": 0, "no_step_prior": 0}
+    assert (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_WIDTH) == limits
