@@ -77,10 +77,10 @@ The arguments of FOOVB:
         prior variance is K times that of the prior the samples are drawn from (v0, after calibrate_prior where it
         acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
-        unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer but the
-        output layer (the last parameter block's module) and but matrix-variate layers wider than posterior="auto"
-        makes them, more than 1,025 inputs (bias included) or outputs (`calibration.step_prior_blocks`); those take
-        the algorithm's step. The matrix-variate family takes the step in the eigenbases of the layer's two factors,
+        unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer except
+        the output layer (the last parameter block's module) and matrix-variate layers wider than posterior="auto"
+        makes them, with a factor wider than 1,025 (`calibration.step_prior_blocks`); those take the algorithm's
+        step. The matrix-variate family takes the step in the eigenbases of the layer's two factors,
         a factor wider than 512 decomposed anew only when it has moved by more than a tenth since (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
