@@ -352,12 +352,8 @@ class KroneckerBlock(PosteriorBlock):
 
     def new_statistics(self) -> dict:
         mean = self.state["mean"]
-        p = mean.shape[0]
-        return {
-            "psi_sum": torch.zeros_like(mean),
-            "psi_b_phi": LowRank(),  # sum_k Psi_k^T B Phi_k      (n x n)
-            "psi_a_phi": torch.zeros(p, p, dtype=mean.dtype, device=mean.device),  # sum_k Psi_k A Phi_k^T
-        }
+        return {"psi_sum": torch.zeros_like(mean), "psi_b_phi": LowRank(),  # sum_k Psi_k^T B Phi_k (n x n)
+                "psi_a_phi": mean.new_zeros(len(mean), len(mean))}  # sum_k Psi_k A Phi_k^T (p x p)
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         psi = self.join(grads)  # (K, p, n)
