@@ -19,7 +19,10 @@ to `narrow`, and the share of the wide factor's steps that took a decomposition.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +34,7 @@ from foovb import FOOVB
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
 
 SETTINGS = {"default": {}, "exact": {}, "narrow": {}, "no_step_prior": {"step_prior": 1, "secant_check": False}}
-LIMITS = {"exact": ("WIDE_FACTOR", 10**9), "narrow": ("STEP_PRIOR_MAX_WIDTH", 512)}  # what each one patches
+LIMITS = {"exact": (foovb.linalg, "WIDE_FACTOR", 10**9), "narrow": (foovb.calibration, "STEP_PRIOR_MAX_WIDTH", 512)}
 
 
 class Learner:
@@ -40,29 +43,24 @@ class Learner:
     def __init__(self, name: str):
         torch.manual_seed(0)
         self.name, self.model = name, mlp((1024, 100, 100, 10))
-        self.patch(lambda: setattr(self, "opt", FOOVB(self.model, "kronecker", seed=0, **SETTINGS[name])))
-        self.seconds, self.steps, self.decompositions, self.wide_calls = 0.0, 0, 0, 0
+        self.seconds, self.steps, self.decompositions = 0.0, 0, 0
+        with self.patched():
+            self.opt = FOOVB(self.model, "kronecker", seed=0, **SETTINGS[name])
 
-    def patch(self, action) -> None:
-        """Run `action` with this setting's module constant (if any) in place, counting wide decompositions."""
-        module_name, value = LIMITS.get(self.name, ("", None))
-        module = foovb.calibration if module_name == "STEP_PRIOR_MAX_WIDTH" else foovb.linalg
-        saved = getattr(module, module_name) if module_name else None
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """This setting's library constant (if any) in place, and the wide factors' decompositions counted."""
         original_eigh = foovb.linalg.factor_eigh
 
         def counted(sqrt_cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             self.decompositions += len(sqrt_cov) > 512
             return original_eigh(sqrt_cov)
 
-        if module_name:
-            setattr(module, module_name, value)
-        foovb.linalg.factor_eigh = counted
-        try:
-            action()
-        finally:
-            foovb.linalg.factor_eigh = original_eigh
-            if module_name:
-                setattr(module, module_name, saved)
+        with contextlib.ExitStack() as stack:
+            if self.name in LIMITS:
+                stack.enter_context(mock.patch.object(*LIMITS[self.name]))
+            stack.enter_context(mock.patch.object(foovb.linalg, "factor_eigh", counted))
+            yield
 
     def train(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         def one_step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -73,13 +71,11 @@ class Learner:
 
             self.opt.step(closure)
 
-        def run() -> None:
+        with self.patched():
             tic = time.perf_counter()
             for x, y in batches:
                 one_step(x, y)
             self.seconds += time.perf_counter() - tic
-
-        self.patch(run)
         self.steps += len(batches)
 
 

@@ -313,7 +313,7 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
                              "than 512; this version cannot resume it: resume with the foovb that saved it, or load "
                              "only the model's weights into a new FOOVB (its covariance starts from the prior)")
         if not isinstance(value, Tensor) or value.shape != own.shape:
-            found = (tuple(value.shape) if isinstance(value, Tensor) else "none" if key not in saved
+            found = (tuple(value.shape) if isinstance(value, Tensor) else "missing" if key not in saved
                      else f"a {type(value).__name__}, not a tensor")
             raise ValueError(f"the state dict does not fit this model: {name} needs {key!r} of shape "
                              f"{tuple(own.shape)}, found {found}")
