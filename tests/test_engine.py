@@ -109,7 +109,7 @@ def test_your_own_loop_with_sampled_params_equals_step_with_a_closure(family):
     results = []
     for own_loop in (False, True):
         model = mlp(seed=0)
-        opt = FOOVB(model, family, 4, seed=6)
+        opt = FOOVB(model, family, 4, seed=6, secant_check=False)  # sampled_params steps are not checked
         for _ in range(2):
             if own_loop:
                 for _ in range(opt.mc_samples):
@@ -264,7 +264,7 @@ def test_batch_norm_running_statistics_are_updated_once_with_the_samples_average
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
     bn = model[1]
-    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3)
+    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3, secant_check=False)  # the samples' forwards only
     seen = []
     hook = model[0].register_forward_hook(lambda module, inputs, out: seen.append(out.detach().clone()))
     opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))

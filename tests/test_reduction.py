@@ -403,7 +403,7 @@ def test_two_backward_calls_with_an_unreadable_loss_are_refused_naming_the_batch
     def train(batch_size: int | None) -> float:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-        opt = FOOVB(model, "diagonal", 4, seed=0)
+        opt = FOOVB(model, "diagonal", 4, seed=0, secant_check=False, curvature_damping=False)  # steps that scale
 
         def closure() -> torch.Tensor:
             out = model(x)

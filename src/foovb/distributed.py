@@ -169,9 +169,9 @@ def distribute(optimizer: FOOVB, mode: str = "mc", group: Any | None = None, *,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "data" and optimizer.curvature_damping:
-        raise ValueError("mode='data' cannot sum the squared per-sample gradients that curvature_damping reads (each "
-                         "process has a shard of the batch): build the optimizer with curvature_damping=False, or "
-                         "use mode='mc'")
+        raise ValueError("mode='data' cannot sum the squared per-sample gradients that curvature_damping (on in "
+                         "the diagonal family's recommended preset) reads (each process has a shard of the batch): "
+                         "build the optimizer with curvature_damping=False, or use mode='mc'")
     if mode == "data" and optimizer.calibrate_prior is not None:
         raise ValueError("mode='data' gives each process its own shard of the batch, on which calibrate_prior would "
                          "scale each process's prior by another factor: build the optimizer with "
