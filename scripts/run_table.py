@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor", "step_prior", "secant_check")
+SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor", "step_prior", "secant_check",
+            "curvature_damping")
 
 
 def row(run: Path, settings: str | None) -> str:

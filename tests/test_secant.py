@@ -160,9 +160,9 @@ def test_batch_norm_statistics_are_the_samples_average_either_way():
     assert stats[1][2] == stats[0][2] == 1
 
 
-def test_sampled_params_steps_are_not_checked_and_say_so_where_asked():
-    """An asked-for check warns at the first unchecked step, once; the preset's (FOOVB(model)'s) skips them silently
-    (docs/api.md's own-loop example and Lightning's manual optimization would warn with no fault of the user's)."""
+def test_sampled_params_steps_are_not_checked_and_say_so():
+    """A check, asked for or the preset's (FOOVB(model)'s), warns at the first unchecked step, once: those steps are not
+    step(closure)'s (a user trial found a regression net's loss at 30 against 0.07); secant_check=False is silent."""
     x, y = torch.randn(8, 1), torch.randn(8, 1)
     means = []
     for secant_check in (False, True, None):
@@ -175,8 +175,8 @@ def test_sampled_params_steps_are_not_checked_and_say_so_where_asked():
                     with opt.sampled_params(train=True):
                         F.mse_loss(model(x), y).backward()
                 opt.step()
-        said = [w for w in caught if "secant_check needs the step's batch" in str(w.message)]
-        assert len(said) == (1 if secant_check else 0)
+        said = [w for w in caught if "needs the step's batch" in str(w.message)]
+        assert len(said) == (0 if secant_check is False else 1)
         means.append([p.detach().clone() for p in model.parameters()])
     for unchecked, checked, preset in zip(*means, strict=True):
         torch.testing.assert_close(checked, unchecked, rtol=0, atol=0)

@@ -95,7 +95,7 @@ class _Progress:
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
     prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (foovb.calibration)
     uncalibrated: dict | None = None  # the covariances before calibrate_prior, until the first update succeeds
-    warn_unchecked: bool = False  # a sampled_params step that secant_check cannot check warns (once; asked-for checks)
+    warn_unchecked: bool = False  # a sampled_params step that secant_check cannot check warns (once)
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -176,7 +176,7 @@ class FOOVB(Persistence):
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
-        self._progress = _Progress(warn_unchecked=bool(secant_check))  # the preset's check skips them silently
+        self._progress = _Progress(warn_unchecked=bool(defaults["secant_check"]))  # the preset's check too
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
@@ -455,9 +455,11 @@ class FOOVB(Persistence):
         if pending.recheck is None:
             if self._progress.warn_unchecked:
                 self._progress.warn_unchecked = False
-                warnings.warn("FOOVB: secant_check needs the step's batch, which sampled_params(train=True) blocks do "
-                              "not give the optimizer: these steps are not checked (use step(closure) or "
-                              "step_batched)", stacklevel=4)
+                warnings.warn("FOOVB: secant_check (on in the recommended presets) needs the step's batch, which "
+                              "sampled_params(train=True) blocks do not give the optimizer: these steps are not "
+                              "checked and differ from step(closure)'s (use step(closure) or step_batched, or "
+                              "build the optimizer with secant_check=False to take unchecked steps knowingly)",
+                              stacklevel=4)
             return
         fraction = secant_fraction_at_new_mean(pending, means_before, grads_before, self.statistics_reducer)
         if fraction < 1:

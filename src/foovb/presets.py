@@ -53,13 +53,14 @@ The arguments of FOOVB:
         rho a Rayleigh quotient of sigma' H sigma' estimated from the step's samples (sum_k ||sigma' (g_k - E[g])||^2
         over sum_k (sigma eps_k) . (g_k - E[g])), which sees the coupling between the weights of a block that mean
         field misses (inputs with a large common mean make H nearly rank one). Costs one more running sum per
-        parameter; refused in data-parallel training, whose shards cannot sum squared gradients (an extension).
+        parameter; refused in data-parallel training, whose shards cannot sum squared gradients (an extension). On in
+        the recommended diagonal preset where implicit_mean is (implicit_mean=False turns the preset's damping off).
     init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
         "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
         split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
         "alpha" (the matrix-variate split for the diagonal and full families: means
         N(0, 2 alpha / (n_in + 2)), prior std sqrt(2 (1 - alpha) / (n_in + 2)) per layer).
-    secant_check: (on in the recommended matrix-variate preset) after the update, evaluate the batch once more at the
+    secant_check: (on in the recommended presets of both families) after the update, evaluate the batch once more at the
         new mean and cut the mean step back to the secant minimum along it where the step passes it (`foovb.secant`):
         each block's implicit step is bounded by its own curvature, but the blocks' steps add up (the layers of a small
         regression net each correcting the same residual). One more forward and backward per step; needs the step's
@@ -73,7 +74,7 @@ The arguments of FOOVB:
         the uncalibrated prior's step V where the posterior is still the prior (Sigma = v0), the algorithm's Sigma where
         the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
-    step_prior: K >= 1 (1: off, the algorithm's step; 16 in the recommended matrix-variate preset): the mean step's
+    step_prior: K >= 1 (1: off, the algorithm's step; 16 in the recommended presets of both families): the mean step's
         prior variance is K times that of the prior the samples are drawn from (v0, after calibrate_prior where it
         acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
@@ -293,8 +294,10 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
                if groups[0].get(key, LEGACY_FIXED.get(key)) != value}
     if changed:
         details = ", ".join(f"{key}: saved {saved!r}, here {here!r}" for key, (saved, here) in changed.items())
-        raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); "
-                         "build the optimizer with the saved settings")
+        keywords = ", ".join(f"{key}={saved!r}" for key, (saved, _) in changed.items())
+        raise ValueError(f"the state dict was saved by a FOOVB with other settings ({details}); build the "
+                         f"optimizer with the saved settings: FOOVB(model, ..., {keywords}) (a preset's defaults "
+                         "can change between versions: docs/CHANGELOG.md)")
     check_step_sizes(groups[0].get("lr"), groups[0].get("cov_step"), ("lr (mean_step)", "cov_step"))
     for block in blocks:
         position = index[id(block.params[0])]
