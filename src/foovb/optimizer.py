@@ -95,7 +95,7 @@ class _Progress:
     defer_linear_samples: bool = True  # step(closure) forms matrix-variate nn.Linear samples lazily (LinearCapture)
     prior_scale: float = 1.0  # calibrate_prior's factor on the prior's variance (foovb.calibration)
     uncalibrated: dict | None = None  # the covariances before calibrate_prior, until the first update succeeds
-    warn_unchecked: bool = False  # a sampled_params step that secant_check cannot check warns (once)
+    warned_unchecked: bool = False  # a sampled_params step that secant_check cannot check has warned (once)
     # for a divergence's advice, read once per block at its first update: its mean variance before, its mean's norm
     # after
     prior_variances: dict = field(default_factory=dict)
@@ -176,7 +176,7 @@ class FOOVB(Persistence):
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}
         self.model = model
-        self._progress = _Progress(warn_unchecked=bool(defaults["secant_check"]))  # the preset's check too
+        self._progress = _Progress()
         self.generator = torch.Generator()
         self.generator.manual_seed(int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed))
         self.blocks = prior_blocks(model, self.state, self.generator, posterior,  # the prior of the first step
@@ -453,8 +453,8 @@ class FOOVB(Persistence):
     def _cut_at_secant(self, pending: Step, means_before: list[Tensor], grads_before: list[Tensor]) -> None:
         """secant_check: the mean step cut back to the secant minimum along it where it passes it (`foovb.secant`)."""
         if pending.recheck is None:
-            if self._progress.warn_unchecked:
-                self._progress.warn_unchecked = False
+            if not self._progress.warned_unchecked:  # _cut_at_secant runs only where secant_check is on
+                self._progress.warned_unchecked = True
                 warnings.warn("FOOVB: secant_check (on in the recommended presets) needs the step's batch, which "
                               "sampled_params(train=True) blocks do not give the optimizer: these steps are not "
                               "checked and differ from step(closure)'s (use step(closure) or step_batched, or "
