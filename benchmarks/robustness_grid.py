@@ -16,10 +16,10 @@ Cells: a model kind on a stream that fits it, at batch 16, 64 and 256 (63 cells)
 Every task sees the same number of training examples at every batch size (`--examples`, 6,144: 384 steps of 16,
 96 of 64, 24 of 256); the test sets hold 1,000 examples per task. Losses are the means users write
 (F.cross_entropy, F.mse_loss); every learner of a cell and seed starts from the same weights and batches. Learners:
-`FOOVB(model, "diagonal")` and `FOOVB(model, "kronecker")` (`FOOVB(model)`'s default "auto" is the kronecker family
-on every model of the grid; K = 10; a candidate's settings with `--diagonal` / `--kronecker`
-and a `--tag`), SGD at lr 0.01, 0.03, 0.1 and Adam at 3e-4, 1e-3, 3e-3 (the best lr of each per cell, by the
-average over tasks).
+`FOOVB(model, "diagonal")` and `FOOVB(model)` (learner `foovb_kronecker`: posterior "auto", the matrix-variate
+family on every layer of the grid's models but the autoencoder's 784-output layer, which "auto" makes diagonal; K = 10;
+a candidate's settings with `--diagonal` / `--kronecker` and a `--tag`), SGD at lr 0.01, 0.03, 0.1 and Adam at
+3e-4, 1e-3, 3e-3 (the best lr of each per cell, by the average over tasks).
 
 Held-out half: a cell is in the tuning half when the first byte of the SHA-256 of its name is even, else in the
 held-out half. Candidates are compared on `--half tuning`; the held-out half is run once, for the chosen default.
@@ -285,8 +285,8 @@ def learner_names() -> list[str]:
 
 def make_optimizer(learner: str, model: nn.Module, seed: int, candidate: dict) -> torch.optim.Optimizer:
     if learner.startswith("foovb_"):
-        family = learner.removeprefix("foovb_")
-        return FOOVB(model, family, seed=seed, **candidate.get(family, {}))
+        family = learner.removeprefix("foovb_")  # "kronecker": FOOVB(model)'s "auto", the matrix-variate default
+        return FOOVB(model, "auto" if family == "kronecker" else family, seed=seed, **candidate.get(family, {}))
     kind, lr = learner.split("_")
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=float(lr))
@@ -523,7 +523,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--tag", default="default", help="the name of the FOO-VB settings under test")
     parser.add_argument("--diagonal", default="{}", help='JSON keyword arguments of FOOVB(model, "diagonal")')
-    parser.add_argument("--kronecker", default="{}", help='JSON keyword arguments of FOOVB(model, "kronecker")')
+    parser.add_argument("--kronecker", default="{}",
+                        help="JSON keyword arguments of FOOVB(model) (learner foovb_kronecker)")
     parser.add_argument("--learners", default=None, help="comma-separated subset of: " + ", ".join(learner_names()))
     parser.add_argument("--summary-only", action="store_true")
     parser.add_argument("--data-dir", default=None, help="the folder holding fashion_mnist/ (or fashion-mnist/)")

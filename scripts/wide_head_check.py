@@ -1,6 +1,6 @@
-"""posterior="auto"'s wide output layer (issue 54, session 49): `FOOVB(model)` with its output layer diagonal when it
-has more than 512 outputs (the default, `foovb.priors.wide_output_layer`) against the same layer matrix-variate (the
-rule off) and Adam (best of two learning rates), on models with wide heads that the robustness grid does not hold:
+"""The output layer's output factor (issue 54, session 49): `FOOVB(model)` with `diagonal_output_factor` off and on
+(the output layer's covariance between its outputs kept diagonal) against Adam (two learning rates), on models with
+wide heads that the robustness grid does not hold:
 
     wide_class_head   MNIST, 784-100-1000 classifier (10 of its 1,000 classes used), 2 permuted tasks, one pass
     many_classes      600 Gaussian classes in 32 dimensions, a 32-128-600 classifier, 3 passes
@@ -11,6 +11,9 @@ rule off) and Adam (best of two learning rates), on models with wide heads that 
 Prints one line per case and learner (accuracy: higher is better; loss / MSE: lower) and writes them as JSON:
 
     python scripts/wide_head_check.py --out docs/results/wide_head/seed0.json --seed 0
+
+(The first candidate of session 49, posterior="auto" giving an output layer of more than 512 outputs diagonal blocks,
+was measured by this script's first version, git 362cd5c: docs/results/wide_head/head_diagonal_posterior_seed*.json.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import foovb.priors as priors
 from foovb import FOOVB
 from foovb_suite.data.datasets import load_dataset
 
@@ -130,12 +132,7 @@ def train(name: str, learner: str, seed: int) -> list[float]:
     if learner.startswith("adam"):
         optimizer = torch.optim.Adam(model.parameters(), lr=float(learner.split("_")[1]))
     else:
-        saved = priors.AUTO_MAX_HEAD_OUTPUTS
-        priors.AUTO_MAX_HEAD_OUTPUTS = saved if learner == "foovb_default" else 10**9  # "foovb_rule_off"
-        try:
-            optimizer = FOOVB(model, seed=seed)
-        finally:
-            priors.AUTO_MAX_HEAD_OUTPUTS = saved
+        optimizer = FOOVB(model, seed=seed, diagonal_output_factor=learner == "foovb_diagonal_output_factor")
     model.train()
     for x, y in batches:
         def closure(x=x, y=y) -> Tensor:
@@ -158,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.cases.split(","):
-        for learner in ("foovb_default", "foovb_rule_off", "adam_0.001", "adam_0.003"):
+        for learner in ("foovb_full_output_factor", "foovb_diagonal_output_factor", "adam_0.001", "adam_0.003"):
             key = f"{name}/{learner}"
             if key not in results:
                 values = train(name, learner, args.seed)

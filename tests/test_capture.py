@@ -48,14 +48,15 @@ def batch(dtype=F64):
 
 
 def run_step(dense: bool, closure_of, *, dtype=F64, antithetic=False, k=4, seed=0, loss_reduction="auto",
-             defer=True, loads=None, **net):
+             defer=True, loads=None, diagonal_output_factor=None, **net):
     """One step(closure) of a fresh model; returns (statistics per block, posterior after, blocks that used the
     low-rank route). `defer=False`: every sampled weight is formed before the closure runs (no factored
     forward); `loads`: a Counter that receives the layer names whose sampled weights were formed."""
     torch.manual_seed(seed)
     model = Net(**net).to(dtype)
     opt = FOOVB(model, "kronecker", mc_samples=k, seed=seed, antithetic=antithetic, loss_reduction=loss_reduction,
-                secant_check=False)  # K closure calls per step (the check's is one more, at the new mean)
+                secant_check=False,  # K closure calls per step (the check's is one more, at the new mean)
+                diagonal_output_factor=diagonal_output_factor)
     opt._defer_linear_samples = defer
     if loads is not None:
         for block in opt.blocks:
@@ -114,6 +115,17 @@ def test_low_rank_statistics_equal_dense(antithetic):
     later = low[0]["fc2"]["psi_b_phi"]  # per-sample inputs: ranks add up (dense once they reach n = 17)
     assert later.dense is not None or later.rank == 4 * ROWS
     assert_same(low, run_step(True, summed, antithetic=antithetic))
+
+
+def test_low_rank_statistics_equal_dense_with_a_diagonal_output_factor():
+    """diagonal_output_factor: the output layer's sums keep only the diagonal of sum_k Psi_k A Phi_k^T, the same
+    from Delta and X (the low-rank route) as from the dense gradients."""
+    low = run_step(False, summed, diagonal_output_factor=True)
+    assert low[2] == {"fc1", "fc2", "fc3"}
+    assert low[0]["fc3"]["psi_a_phi"].shape == (3,) and low[0]["fc2"]["psi_a_phi"].shape == (16, 16)
+    assert_same(low, run_step(True, summed, diagonal_output_factor=True))
+    full = run_step(True, summed, diagonal_output_factor=False)
+    torch.testing.assert_close(low[0]["fc3"]["psi_a_phi"], torch.diagonal(full[0]["fc3"]["psi_a_phi"]))
 
 
 def test_mean_loss_scaled_like_the_dense_gradient():

@@ -103,7 +103,8 @@ def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
     conv = make_conv(spec)
     k_samples = 4
     opt = FOOVB(conv, "kronecker", k_samples, init="keep", loss_reduction="sum", antithetic=False,
-                implicit_mean=False, cov_step=1.0, mean_step=1.0, secant_check=False, seed=3)
+                implicit_mean=False, cov_step=1.0, mean_step=1.0, secant_check=False, diagonal_output_factor=False,
+                seed=3)  # the conv is the output layer: Algorithm 3's full output factor, not the preset's diagonal
     (block,) = opt.blocks
     gen = make_generator(2)
     randomize(block, gen)

@@ -117,6 +117,67 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, c
             assert torch.equal(param.detach(), mean)
 
 
+def test_diagonal_output_factor_solves_lemma_2_with_the_diagonal_of_e3_in_the_output_layer():
+    """diagonal_output_factor: the output layer's output factor B takes Lemma 2's root for the diagonal of E3
+    (recorded samples, as above) and stays diagonal; its input factor A and mean take Algorithm 3's updates
+    unchanged, and the hidden layers keep Algorithm 3 whole (their B not diagonal)."""
+    model = mlp(seed=3, dtype=F64)
+    x, y = mlp_batch()
+    x = x.double()
+    k_samples = 3
+    opt = FOOVB(model, "kronecker", k_samples, seed=11, diagonal_output_factor=True, **PAPER)
+    assert [block.diagonal_output_factor for block in opt.blocks] == [False] * (len(opt.blocks) - 1) + [True]
+    gen = make_generator(5)
+    randomize_factors(opt, gen)
+    head = opt.blocks[-1]
+    head.state["output_sqrt_cov"] = torch.diag(0.3 + torch.rand(head.out_features, generator=gen, dtype=F64))
+    records = []
+
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        records.append([(p.detach().clone(), p.grad.clone()) for p in model.parameters()])
+        return loss
+
+    opt.step(closure)  # the step checked starts from an updated B
+    old = {k: v.clone() for k, v in head.state.items()}
+    records.clear()
+    opt.step(closure)
+    m, a, b = old["mean"], old["input_sqrt_cov"], old["output_sqrt_cov"]
+    p, n = m.shape
+    w = [torch.cat([rec[-2][0], rec[-1][0][:, None]], 1) for rec in records]  # the head's weight and bias
+    psi = [torch.cat([rec[-2][1], rec[-1][1][:, None]], 1) for rec in records]
+    phi = [torch.linalg.solve(b, wk - m) @ torch.linalg.inv(a).T for wk in w]
+    e1 = sum(psi) / k_samples
+    e2 = sum(ps.T @ b @ ph for ps, ph in zip(psi, phi, strict=True)) / (p * k_samples)
+    e3 = sum(ps @ a @ ph.T for ps, ph in zip(psi, phi, strict=True)) / (n * k_samples)
+    new_a, new_b = head.state["input_sqrt_cov"], head.state["output_sqrt_cov"]
+    x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, torch.diag(torch.diagonal(e3)))
+    torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=1e-10, atol=1e-13)
+    assert torch.equal(new_b, torch.diag(torch.diagonal(new_b)))
+    torch.testing.assert_close(head.state["mean"], m - b @ b.T @ e1 @ a @ a.T, rtol=1e-11, atol=1e-13)
+    hidden_b = opt.blocks[0].state["output_sqrt_cov"]
+    assert not torch.equal(hidden_b, torch.diag(torch.diagonal(hidden_b)))
+
+
+@pytest.mark.parametrize("implicit_mean", [False, True])
+@pytest.mark.parametrize("tempering", [1.0, 3.0])
+def test_the_diagonal_factor_update_is_the_general_solver_on_a_diagonal(implicit_mean, tempering):
+    """The closed form of a diagonal output factor (h(|B_ii t_i|) per entry) is `sqrt_covariance_update` on the
+    diagonal matrices, the tempered step factor included; entries of t of both signs."""
+    model = nn.Linear(3, 6).double()
+    opt = FOOVB(model, "kronecker", seed=0, diagonal_output_factor=True, implicit_mean=implicit_mean,
+                secant_check=False, step_prior=1)
+    block, gen = opt.blocks[0], make_generator(2)
+    b = torch.diag(0.2 + torch.rand(6, generator=gen, dtype=F64))
+    t = 3 * torch.randn(6, generator=gen, dtype=F64)
+    closed = block.updated_and_step_diagonal_factor(b, t, tempering)
+    general = block.updated_and_step_factor(b, LowRank(dense=torch.diag(t)), tempering)
+    for mine, theirs in zip(closed, general, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-15)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Diagonal family on a quadratic: E[g] = H (mu - c), E[g eps] = H sigma
 # ---------------------------------------------------------------------------------------------------------

@@ -127,8 +127,8 @@ class FOOVB(Persistence):
             diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker" (Algorithm 3) or "full" (Algorithm 2).
         mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
         std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.
-        antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, secant_check, calibrate_prior,
-            step_prior, max_full_params: `foovb.presets`.
+        antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, diagonal_output_factor,
+            secant_check, calibrate_prior, step_prior, max_full_params: `foovb.presets`.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
         seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
     """
@@ -149,6 +149,7 @@ class FOOVB(Persistence):
         cov_momentum: float | None = None,
         implicit_mean: bool | None = None,
         curvature_damping: bool | None = None,
+        diagonal_output_factor: bool | None = None,
         secant_check: bool | None = None,
         calibrate_prior: float | None = None,
         step_prior: float | None = None,
@@ -166,7 +167,8 @@ class FOOVB(Persistence):
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
             std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,
-            curvature_damping=curvature_damping, init=init, max_full_params=max_full_params, secant_check=secant_check,
+            curvature_damping=curvature_damping, diagonal_output_factor=diagonal_output_factor, init=init,
+            max_full_params=max_full_params, secant_check=secant_check,
             calibrate_prior=calibrate_prior, step_prior=step_prior))
         validate(mc_samples=mc_samples, loss_reduction=loss_reduction, seed=seed, **settings)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -203,6 +205,8 @@ class FOOVB(Persistence):
     implicit_mean = _fixed_setting("implicit_mean", "Whether the mean step uses the updated covariance.")
     curvature_damping = _fixed_setting("curvature_damping", "Whether the diagonal mean step is damped by the "
                                        "curvature its samples measured.")
+    diagonal_output_factor = _fixed_setting("diagonal_output_factor", "Whether the matrix-variate output factors "
+                                            "(rows' covariance) are kept diagonal.")
     secant_check = _fixed_setting("secant_check", "Whether the mean step is cut back to the secant minimum along it "
                                   "(`foovb.secant`).")
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "

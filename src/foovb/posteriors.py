@@ -302,9 +302,10 @@ class KroneckerBlock(PosteriorBlock):
     optional_state = {**dict.fromkeys(CALIBRATED), AT_REFRESH[0]: "input_sqrt_cov", AT_REFRESH[1]: "output_sqrt_cov"}
 
     def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
-                 init: str, implicit_mean: bool = False):
+                 init: str, implicit_mean: bool = False, diagonal_output_factor: bool = False):
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
         super().__init__(params, state, module, implicit_mean)
+        self.diagonal_output_factor = diagonal_output_factor
         weight = module.weight
         self.out_features = weight.shape[0]
         self.in_features = weight[0].numel()
@@ -353,13 +354,18 @@ class KroneckerBlock(PosteriorBlock):
     def new_statistics(self) -> dict:
         mean = self.state["mean"]
         return {"psi_sum": torch.zeros_like(mean), "psi_b_phi": LowRank(),  # sum_k Psi_k^T B Phi_k (n x n)
-                "psi_a_phi": mean.new_zeros(len(mean), len(mean))}  # sum_k Psi_k A Phi_k^T (p x p)
+                # sum_k Psi_k A Phi_k^T (p x p), or its diagonal (p) where the output factor is kept diagonal
+                "psi_a_phi": mean.new_zeros(len(mean)) if self.diagonal_output_factor
+                else mean.new_zeros(len(mean), len(mean))}
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         psi = self.join(grads)  # (K, p, n)
         a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
         stats["psi_sum"] += psi.sum(0)
         stats["psi_b_phi"].add(psi.flatten(0, 1), (b @ noise).flatten(0, 1))
+        if self.diagonal_output_factor:
+            stats["psi_a_phi"] += ((psi @ a) * noise).sum((0, 2))
+            return
         for psi_a_k, noise_k in zip(psi @ a, noise, strict=True):
             stats["psi_a_phi"].addmm_(psi_a_k, noise_k.T)
 
@@ -398,7 +404,10 @@ class KroneckerBlock(PosteriorBlock):
             stats["psi_b_phi"].add(x_aug, delta_b_phi.sum(0))
         else:
             stats["psi_b_phi"].add(x_aug.flatten(0, 1), delta_b_phi.flatten(0, 1))
-        stats["psi_a_phi"].addmm_(delta.flatten(0, 1).T, noise_pre.flatten(0, 1))
+        if self.diagonal_output_factor:
+            stats["psi_a_phi"] += (delta * noise_pre).sum((0, 1))
+        else:
+            stats["psi_a_phi"].addmm_(delta.flatten(0, 1).T, noise_pre.flatten(0, 1))
 
     def update(self, stats: dict, num_samples: int, mean_step: float, cov_step: float) -> None:
         a, b, mean = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"], self.state["mean"]
@@ -407,18 +416,32 @@ class KroneckerBlock(PosteriorBlock):
         e2 = stats["psi_b_phi"].scaled(cov_step / (p * num_samples))  # mean (1/p) Psi^T B Phi
         # mean (1/n) Psi A Phi^T (p x p), as in the appendix "Derivation of the fixed-point equations for the matrix
         # variate Gaussian"; Algorithm 3 prints Psi^T A Phi, which has no consistent shape (a typo)
-        e3 = LowRank(dense=stats["psi_a_phi"] * (cov_step / (n * num_samples)))
+        e3 = stats["psi_a_phi"] * (cov_step / (n * num_samples))
         # A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2); Eq. "Kronecker-factored necessary conditions":
         # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
-        self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, e3, tempering)
+        if self.diagonal_output_factor:
+            self.state["output_sqrt_cov"], b = self.updated_and_step_diagonal_factor(b, e3, tempering)
+        else:
+            self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, LowRank(dense=e3), tempering)
         if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration), in the factors'
             eighs = [refreshed_factor_eigh(factor, self.state, key, self.eigh_caches[key])  # eigenbases (a wide one's
                      for key, factor in zip(AT_REFRESH, (a, b), strict=True)]  # refreshed as it moves: linalg)
             mean.sub_(mean_step * prior_swapped_in_eigenbases(e1, *eighs, *priors))
         else:
             mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
+
+    def updated_and_step_diagonal_factor(self, sqrt_cov: Tensor, t: Tensor, tempering: float) -> tuple[Tensor, Tensor]:
+        """`updated_and_step_factor` for a diagonal factor and the diagonal `t` of T (diagonal_output_factor):
+        Lemma 2's root in closed form, B_ii h(|B_ii t_i|) (the singular values of B^T diag(t) are |B_ii t_i|, its
+        singular vectors the axes: the same root as `sqrt_covariance_update`'s, without a decomposition)."""
+        scale = sqrt_cov.diagonal()
+        singular_values = (scale * t).abs()
+        updated = torch.diag(scale * root_scale(singular_values))
+        if self.implicit_mean and tempering > 1:
+            return updated, torch.diag(scale * root_scale(singular_values * tempering))
+        return updated, updated if self.implicit_mean else sqrt_cov
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])

@@ -55,6 +55,12 @@ The arguments of FOOVB:
         field misses (inputs with a large common mean make H nearly rank one). Costs one more running sum per
         parameter; refused in data-parallel training, whose shards cannot sum squared gradients (an extension). On in
         the recommended diagonal preset where implicit_mean is (implicit_mean=False turns the preset's damping off).
+    diagonal_output_factor: matrix-variate family: the output layer (the last module with trainable parameters,
+        `priors.output_layer`) keeps its output factor B (the covariance between its outputs) diagonal: Lemma 2 solved
+        with the diagonal of E3 = (1/n) E[Psi A Phi^T], whose off-diagonal entries, p (p - 1) of them from K samples of
+        a batch, were mostly noise where the outputs do not share their errors (a regression or an autoencoder's
+        pixels). The hidden layers keep the full factor: kept diagonal there, it lost up to 15 points on the
+        robustness grid's narrow MLPs (an extension; docs/results/robustness_grid.md, "The output layer's factor").
     init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
         "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha
         split of the appendix); "bgd" ("paper" with the BGD code's biases N(0, 2 / (1 + fan_out)));
@@ -135,15 +141,16 @@ POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordab
 # tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
           "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "curvature_damping": False,
-          "init": "paper", "max_full_params": 4096, "secant_check": False, "calibrate_prior": None,
-          "step_prior": 1.0}
+          "diagonal_output_factor": False, "init": "paper", "max_full_params": 4096, "secant_check": False,
+          "calibrate_prior": None, "step_prior": 1.0}
 PRESETS: dict[str, dict[str, dict]] = {
     "recommended": {
         "diagonal": {**_PAPER, "mean_step": 0.7, "cov_step": 0.5, "antithetic": True, "std_growth": "none",
                      "implicit_mean": True, "init": "keep", "std_init": XAVIER, "step_prior": 16.0,
                      "secant_check": True, "curvature_damping": True},
         "kronecker": {**_PAPER, "cov_step": 0.5, "antithetic": True, "std_growth": "none", "implicit_mean": True,
-                      "init": "keep", "std_init": XAVIER, "step_prior": 16.0, "secant_check": True},
+                      "init": "keep", "std_init": XAVIER, "step_prior": 16.0, "secant_check": True,
+                      "diagonal_output_factor": True},
         "full": {**_PAPER, "antithetic": True, "implicit_mean": True, "init": "keep", "std_init": XAVIER},
     },
     "paper": {family: dict(_PAPER) for family in POSTERIORS},
@@ -152,14 +159,16 @@ PRESETS["recommended"][AUTO] = dict(PRESETS["recommended"]["kronecker"])
 # Hyperparameters that only some families read (the matrix families' fallback diagonal blocks take the
 # preset's std_growth and cov_momentum); alpha also sets init="alpha" for any family.
 FAMILY_ONLY = {"std_growth": ("diagonal",), "cov_momentum": ("diagonal",), "curvature_damping": ("diagonal",),
-               "alpha": ("kronecker", AUTO), "max_full_params": ("full",)}
+               "alpha": ("kronecker", AUTO), "diagonal_output_factor": ("kronecker", AUTO),
+               "max_full_params": ("full",)}
 # Hyperparameters fixed at construction: the posterior's structure and the noise stream depend on them (the
 # step sizes, param_groups' "lr" (eta) and "cov_step" (beta), are read at every step and may change)
 FIXED = ("posterior", "mc_samples", "std_init", "alpha", "loss_reduction", "antithetic", "std_growth", "cov_momentum",
-         "implicit_mean", "curvature_damping", "secant_check", "calibrate_prior", "step_prior")
+         "implicit_mean", "curvature_damping", "diagonal_output_factor", "secant_check", "calibrate_prior",
+         "step_prior")
 # The value of a FIXED setting in a state dict saved before the setting existed
-LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False, "secant_check": False, "calibrate_prior": None,
-                "step_prior": 1.0}
+LEGACY_FIXED = {"implicit_mean": False, "curvature_damping": False, "diagonal_output_factor": False,
+                "secant_check": False, "calibrate_prior": None, "step_prior": 1.0}
 
 
 def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str] = ("mean_step", "cov_step")) -> None:
@@ -174,8 +183,8 @@ def check_step_sizes(mean_step: object, cov_step: object, names: tuple[str, str]
 
 def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_init: object, alpha: object,
               mean_step: object, cov_step: object, antithetic: object, std_growth: object, cov_momentum: object,
-              implicit_mean: object, curvature_damping: object, init: object, max_full_params: object,
-              secant_check: object, calibrate_prior: object, step_prior: object) -> None:
+              implicit_mean: object, curvature_damping: object, diagonal_output_factor: object, init: object,
+              max_full_params: object, secant_check: object, calibrate_prior: object, step_prior: object) -> None:
     """ValueError for any hyperparameter out of its domain (booleans are booleans: "false" is not False)."""
     if not is_integer(mc_samples) or mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
@@ -192,7 +201,8 @@ def validate(*, mc_samples: object, loss_reduction: object, seed: object, std_in
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     for name, value in (("antithetic", antithetic), ("implicit_mean", implicit_mean),
-                        ("curvature_damping", curvature_damping), ("secant_check", secant_check)):
+                        ("curvature_damping", curvature_damping), ("diagonal_output_factor", diagonal_output_factor),
+                        ("secant_check", secant_check)):
         if not is_boolean(value):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if calibrate_prior is not None and not (is_real(calibrate_prior) and math.isfinite(calibrate_prior)
@@ -249,7 +259,9 @@ def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, s
                 lr=float(settings["mean_step"]), cov_step=float(settings["cov_step"]), loss_reduction=loss_reduction,
                 antithetic=bool(settings["antithetic"]), std_growth=settings["std_growth"],
                 cov_momentum=float(settings["cov_momentum"]), implicit_mean=bool(settings["implicit_mean"]),
-                curvature_damping=bool(settings["curvature_damping"]), secant_check=bool(settings["secant_check"]),
+                curvature_damping=bool(settings["curvature_damping"]),
+                diagonal_output_factor=bool(settings["diagonal_output_factor"]),
+                secant_check=bool(settings["secant_check"]),
                 calibrate_prior=None if settings["calibrate_prior"] is None else float(settings["calibrate_prior"]),
                 step_prior=float(settings["step_prior"]))
 
