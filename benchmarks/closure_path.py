@@ -66,10 +66,12 @@ def bare_diagonal_loop_ms(x: torch.Tensor, y: torch.Tensor, k: int, repeats: int
     return median_ms(bare_diagonal_loop(x, y, k, model), repeats)
 
 
-def bare_diagonal_loop(x: torch.Tensor, y: torch.Tensor, k: int,
-                       model: torch.nn.Module | None = None) -> Callable[[], None]:
+def bare_diagonal_loop(x: torch.Tensor, y: torch.Tensor, k: int, model: torch.nn.Module | None = None,
+                       loss_fn: Callable[..., torch.Tensor] | None = None) -> Callable[[], None]:
     """The diagonal K-sample step reduced to what it cannot avoid (module docstring), on `model` (default: the
-    784-100-100-10 MLP): a function that runs one step."""
+    784-100-100-10 MLP) and `loss_fn(outputs, y)` (default: the summed cross-entropy): a function that runs one
+    step."""
+    loss_fn = loss_fn or (lambda outputs, targets: F.cross_entropy(outputs, targets, reduction="sum"))
     model = (mlp() if model is None else model).to(x.device)
     params = list(model.parameters())
     means = [p.detach().clone() for p in params]
@@ -91,7 +93,7 @@ def bare_diagonal_loop(x: torch.Tensor, y: torch.Tensor, k: int,
                         torch.randn(noise.shape, generator=generator, out=noise)
                     torch.addcmul(means[index], stds[index], noise, value=sign, out=param.data)
                     param.grad = None
-            F.cross_entropy(model(x), y, reduction="sum").backward()
+            loss_fn(model(x), y).backward()
             with torch.no_grad():
                 for index, param in enumerate(params):
                     sums[index].add_(param.grad)

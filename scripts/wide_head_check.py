@@ -10,7 +10,9 @@ wide heads that the robustness grid does not hold:
 
 Prints one line per case and learner (accuracy: higher is better; loss / MSE: lower) and writes them as JSON:
 
-    python scripts/wide_head_check.py --out docs/results/wide_head/seed0.json --seed 0
+    python scripts/wide_head_check.py --out docs/results/wide_head/output_factor_seed0.json --seed 0
+    python scripts/wide_head_check.py --table docs/results/wide_head/output_factor.md \\
+        docs/results/wide_head/output_factor_seed0.json docs/results/wide_head/output_factor_seed1.json
 
 (The first candidate of session 49, posterior="auto" giving an output layer of more than 512 outputs diagonal blocks,
 was measured by this script's first version, git 362cd5c: docs/results/wide_head/head_diagonal_posterior_seed*.json.)
@@ -146,12 +148,51 @@ def train(name: str, learner: str, seed: int) -> list[float]:
     return evaluate(model, tests, loss_fn, accuracy=name in ("wide_class_head", "many_classes"))
 
 
+METRICS = {"wide_class_head": "accuracy %, 2 tasks", "many_classes": "accuracy %", "token_lm": "cross-entropy",
+           "multi_regression": "MSE", "autoencoder": "MSE"}
+
+
+# the learners of the first version (git 362cd5c): "auto" with an output layer of more than 512 outputs diagonal
+# ("foovb_default" then) and without that rule (the full output factor, as foovb_full_output_factor here)
+FIRST_VERSION_NAMES = {"foovb_default": "foovb_output_layer_diagonal", "foovb_rule_off": "foovb_full_output_factor"}
+
+
+def table(paths: list[Path]) -> str:
+    """A markdown table of result files (one per seed): a row per case, a column per learner; each cell the mean over
+    the files of the average over tasks, then each file's value in parentheses."""
+    runs = [{"/".join(FIRST_VERSION_NAMES.get(part, part) for part in key.split("/")): value
+             for key, value in json.loads(path.read_text()).items()} for path in paths]
+    learners = list(dict.fromkeys(key.split("/")[1] for run in runs for key in run))
+    cases = list(dict.fromkeys(key.split("/")[0] for run in runs for key in run))
+    lines = ["| case (metric) | " + " | ".join(learners) + " |", "|---" * (len(learners) + 1) + "|"]
+    for case in cases:
+        cells = []
+        for learner in learners:
+            values = [run.get(f"{case}/{learner}") for run in runs]
+            if any(v is None or None in v for v in values):
+                cells.append("diverged" if any(v is not None for v in values) else "")
+                continue
+            per_run = [sum(v) / len(v) for v in values]
+            cells.append(f"{sum(per_run) / len(per_run):.4g} ({' / '.join(f'{v:.4g}' for v in per_run)})")
+        lines.append(f"| {case} ({METRICS[case]}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the JSON file of this seed's results (resumed where it exists)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", default="wide_class_head,many_classes,token_lm,multi_regression,autoencoder")
+    parser.add_argument("--table", type=Path, nargs="+", metavar=("TABLE_MD", "JSON"),
+                        help="instead of running: write TABLE_MD, a markdown table of the JSON result files")
     args = parser.parse_args()
+    if args.table:
+        if len(args.table) < 2:
+            parser.error("--table needs the markdown file to write and at least one JSON result file")
+        args.table[0].write_text(table(args.table[1:]))
+        return
+    if args.out is None:
+        parser.error("--out is required (or --table)")
     torch.set_num_threads(1)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     for name in args.cases.split(","):
