@@ -546,3 +546,19 @@ def test_a_zero_dim_parameter_is_trained_by_every_family(family):
     assert view.mean.shape == view.std.shape == () and bool(torch.isfinite(view.std)) and view.std > 0
     assert not torch.equal(view.mean, before) and torch.equal(view.mean, model.log_temperature.detach())
     assert predict(opt, x, 3).samples.shape == (3, 16, 3)
+
+
+def test_diagonal_output_factor_is_validated_fixed_family_only_and_legacy_false():
+    """A boolean of the matrix-variate family (and "auto"), on in its recommended preset, off in the paper's; fixed
+    at construction; a state dict saved before it existed holds the full factor."""
+    layer = nn.Linear(3, 2)
+    assert FOOVB(layer).diagonal_output_factor and not FOOVB(layer, preset="paper").diagonal_output_factor
+    with pytest.raises(ValueError, match="diagonal_output_factor must be True or False"):
+        FOOVB(layer, diagonal_output_factor="yes")
+    with pytest.raises(ValueError, match="diagonal_output_factor applies to the kronecker family"):
+        FOOVB(layer, "diagonal", diagonal_output_factor=True)
+    saved = FOOVB(layer, diagonal_output_factor=False).state_dict()
+    del saved["param_groups"][0]["diagonal_output_factor"]  # a state dict saved before the setting existed
+    FOOVB(layer, diagonal_output_factor=False).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"saved False, here True.*diagonal_output_factor=False"):
+        FOOVB(layer).load_state_dict(saved)

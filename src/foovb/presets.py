@@ -133,7 +133,9 @@ POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordab
 # also takes a prior 16 times wider on every layer but the output layer (step_prior) and the secant check: on the
 # robustness grid's tuning half they kept the first task 10 points above the best baseline in 19 and 16 of 23 drift
 # cells (seeds 0, 1) against 11 and 12, with 1 and 0 of 26 cells more than 2 points below it against 5 and 4
-# (docs/results/step_prior.md). The diagonal family takes both too, with curvature_damping (since session 48): alone
+# (docs/results/step_prior.md); since session 49 the family also keeps the output layer's output factor diagonal: the
+# autoencoder cells' errors halved, the classifier cells unchanged (docs/results/output_factor.md). The diagonal
+# family takes the step prior and the check too, with curvature_damping (since session 48): alone
 # the step prior threw its autoencoders off, alone the damping slowed its classifiers; together on the tuning half
 # (seed 0) no cell diverged (2 before), 12 of 26 accuracy cells were more than 2 points below the best baseline (16)
 # and 3 of 7 errors above 1.5x its error (5), median -0.75 points (-6.9) (docs/results/robustness_grid.md, "The
