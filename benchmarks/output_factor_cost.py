@@ -1,10 +1,11 @@
 """What the output layer's diagonal output factor (`diagonal_output_factor`, on in `FOOVB(model)` since session 49)
 costs or saves per step, against the full factor and the floor (the bare sequential K-sample loop of
 `closure_path.py` on the same network, batch and loss), alternating in one process so that a busy host slows all
-alike. Models: a 784-32-784 ReLU autoencoder (summed squared error, batch 64: a 784 x 784 output factor) and the
-paper's 784-100-100-10 MLP (summed cross-entropy, batch 128: a 10 x 10 one). Real MNIST images, K = 10.
+alike (in an order that flips every round); the ratios are the medians of each round's. Models: a 784-32-784 ReLU
+autoencoder (summed squared error, batch 64: a 784 x 784 output factor) and the paper's 784-100-100-10 MLP (summed
+cross-entropy, batch 128: a 10 x 10 one). Real MNIST images, K = 10.
 
-    python benchmarks/output_factor_cost.py [--repeats 5] [--steps 5] [--threads 1]
+    python benchmarks/output_factor_cost.py [--repeats 10] [--steps 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ def summed_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.
     return F.cross_entropy(outputs, targets, reduction="sum")
 
 
+def ratio(times: dict[object, list[float]], top: object, bottom: object) -> float:
+    """The median of the rounds' ratios top / bottom (a round's load slows both alike)."""
+    return statistics.median(t / b for t, b in zip(times[top], times[bottom], strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds of timings")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timing")
+    parser.add_argument("--repeats", type=int, default=10, help="alternating rounds of timings")
+    parser.add_argument("--steps", type=int, default=4, help="steps per timing")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -53,7 +59,7 @@ def main() -> None:
               images[:64], images[:64], squared_error),
              ("MLP 784-100-100-10, batch 128", mlp, images, mnist.train_labels[:128], summed_cross_entropy)]
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), K = 10; {args.repeats} alternating rounds of "
-          f"{args.steps} steps each; medians in ms\n")
+          f"{args.steps} steps each; medians in ms, ratios: the medians of the rounds' ratios\n")
     print("| model | FOOVB(model) | diagonal_output_factor=False | floor | FOOVB(model) / floor | False / floor | "
           "False / FOOVB(model) |")
     print("|---|---|---|---|---|---|---|")
@@ -76,13 +82,13 @@ def main() -> None:
         for step in steps.values():  # warm-up
             steps_ms(step, 2)
         times: dict[object, list[float]] = {key: [] for key in steps}
-        for _ in range(args.repeats):
-            for key, step in steps.items():
+        for round_ in range(args.repeats):  # the order flips every round: the first of a round ran slower
+            for key, step in list(steps.items())[:: 1 if round_ % 2 == 0 else -1]:
                 times[key].append(steps_ms(step, args.steps))
         median = {key: statistics.median(values) for key, values in times.items()}
         print(f"| {name} | {median[True]:.1f} | {median[False]:.1f} | {median['floor']:.1f} | "
-              f"{median[True] / median['floor']:.2f} | {median[False] / median['floor']:.2f} | "
-              f"**{median[False] / median[True]:.2f}** |", flush=True)
+              f"{ratio(times, True, 'floor'):.2f} | {ratio(times, False, 'floor'):.2f} | "
+              f"**{ratio(times, False, True):.2f}** |", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def test_conv_block_samples_match_direct_formula(spec):
     loaded with that sample computes W_mat @ [unfold(x); 1]."""
     conv = make_conv(spec)
     opt = FOOVB(conv, "kronecker", 3, init="keep", loss_reduction="sum", antithetic=False,
-                cov_step=1.0, mean_step=1.0, seed=0)
+                cov_step=1.0, mean_step=1.0, diagonal_output_factor=False, seed=0)  # B is randomised below
     (block,) = opt.blocks
     gen = make_generator(1)
     randomize(block, gen)

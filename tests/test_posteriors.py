@@ -562,3 +562,7 @@ def test_diagonal_output_factor_is_validated_fixed_family_only_and_legacy_false(
     FOOVB(layer, diagonal_output_factor=False).load_state_dict(saved)
     with pytest.raises(ValueError, match=r"saved False, here True.*diagonal_output_factor=False"):
         FOOVB(layer).load_state_dict(saved)
+    tampered = FOOVB(layer).state_dict()
+    tampered["state"][0]["output_sqrt_cov"] = tampered["state"][0]["output_sqrt_cov"] + 0.01
+    with pytest.raises(ValueError, match="'output_sqrt_cov' is not diagonal"):
+        FOOVB(layer).load_state_dict(tampered)

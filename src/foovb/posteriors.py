@@ -347,9 +347,14 @@ class KroneckerBlock(PosteriorBlock):
     def noise_shape(self) -> tuple[int, ...]:
         return tuple(self.state["mean"].shape)
 
+    def output_factor_times(self, matrix: Tensor) -> Tensor:
+        """B @ matrix (..., p, m); a diagonal B (diagonal_output_factor) scales the rows instead of a p x p product."""
+        b = self.state["output_sqrt_cov"]
+        return b.diagonal()[:, None] * matrix if self.diagonal_output_factor else b @ matrix
+
     def sample(self, noise: Tensor) -> list[Tensor]:
-        a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
-        return self.split(self.state["mean"] + b @ noise @ a.T)  # W = M + B Phi A^T
+        a = self.state["input_sqrt_cov"]
+        return self.split(self.state["mean"] + self.output_factor_times(noise) @ a.T)  # W = M + B Phi A^T
 
     def new_statistics(self) -> dict:
         mean = self.state["mean"]
@@ -360,9 +365,9 @@ class KroneckerBlock(PosteriorBlock):
 
     def accumulate(self, stats: dict, noise: Tensor, grads: Sequence[Tensor]) -> None:
         psi = self.join(grads)  # (K, p, n)
-        a, b = self.state["input_sqrt_cov"], self.state["output_sqrt_cov"]
+        a = self.state["input_sqrt_cov"]
         stats["psi_sum"] += psi.sum(0)
-        stats["psi_b_phi"].add(psi.flatten(0, 1), (b @ noise).flatten(0, 1))
+        stats["psi_b_phi"].add(psi.flatten(0, 1), self.output_factor_times(noise).flatten(0, 1))
         if self.diagonal_output_factor:
             stats["psi_a_phi"] += ((psi @ a) * noise).sum((0, 2))
             return
@@ -393,7 +398,8 @@ class KroneckerBlock(PosteriorBlock):
         later: they are linear in delta); x_aug (r, n) or (c, r, n); noise_pre = X_aug A Phi_k^T (c, r, p); psi_sum:
         sum_k Psi_k where the caller has it (the dense gradient of the sequential path), else from Delta and X_aug."""
         b = self.state["output_sqrt_cov"]
-        delta_b_phi = (delta @ b) @ noise  # (c, r, n)
+        delta_b = delta * b.diagonal() if self.diagonal_output_factor else delta @ b
+        delta_b_phi = delta_b @ noise  # (c, r, n)
         if psi_sum is not None:
             stats["psi_sum"] += psi_sum
         elif x_aug.ndim == 2:

@@ -325,7 +325,8 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
     dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
     own is (0 only where this optimizer has it 0: an nn.Embedding's padding row, `priors._fix_padding_row`); a
     matrix square root of a covariance not all zero unless the block's own is (the matrix-variate factors never
-    are: Lemma 2 keeps them nonsingular). O(size): no decomposition."""
+    are: Lemma 2 keeps them nonsingular), and diagonal where the block keeps it so (diagonal_output_factor). O(size):
+    no decomposition."""
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
     own_state.update({key: block.state["mean"].new_zeros(()) if like is None else block.state[like]
@@ -343,6 +344,9 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
             raise ValueError(f"the state dict does not fit this model: {name} needs {key!r} of shape "
                              f"{tuple(own.shape)}, found {found}")
         problem = _value_problem(key, value, own)
+        if not problem and key == "output_sqrt_cov" and getattr(block, "diagonal_output_factor", False) \
+                and not torch.equal(value, torch.diag(value.diagonal())):
+            problem = "is not diagonal, as this FOOVB's diagonal_output_factor keeps it"
         if problem:
             raise ValueError(f"cannot load {name}: its {key!r} {problem}; nothing was loaded")
 
