@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 SETTINGS = ("posterior", "implicit_mean", "cov_step", "mean_step", "output_anchor", "step_prior", "secant_check",
-            "curvature_damping")
+            "curvature_damping", "diagonal_output_factor")
 
 
 def row(run: Path, settings: str | None) -> str:
