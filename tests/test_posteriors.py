@@ -45,6 +45,18 @@ def diag_formula(sigma, e2):
     return sigma * torch.sqrt(1 + (sigma * e2 / 2) ** 2) - sigma**2 * e2 / 2
 
 
+def recording_closure(model, x, y, records):
+    """A summed cross-entropy closure that appends each sample's (theta_k, g_k) per parameter to `records`."""
+
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        records.append([(p.detach().clone(), p.grad.clone()) for p in model.parameters()])
+        return loss
+
+    return closure
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Algorithm 2-4 updates, reconstructed exactly from the sampled weights (any loss, any K)
 # ---------------------------------------------------------------------------------------------------------
@@ -62,12 +74,7 @@ def test_update_equals_paper_algorithm_for_recorded_samples(family, mean_step, c
     randomize_factors(opt, make_generator(5))
     before = {id(b): {k: v.clone() for k, v in b.state.items()} for b in opt.blocks}
     records = []
-
-    def closure():
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-        loss.backward()
-        records.append([(p.detach().clone(), p.grad.clone()) for p in model.parameters()])
-        return loss
+    closure = recording_closure(model, x, y, records)
 
     opt.step(closure)
     assert len(records) == k_samples
@@ -132,12 +139,7 @@ def test_diagonal_output_factor_solves_lemma_2_with_the_diagonal_of_e3_in_the_ou
     head = opt.blocks[-1]
     head.state["output_sqrt_cov"] = torch.diag(0.3 + torch.rand(head.out_features, generator=gen, dtype=F64))
     records = []
-
-    def closure():
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-        loss.backward()
-        records.append([(p.detach().clone(), p.grad.clone()) for p in model.parameters()])
-        return loss
+    closure = recording_closure(model, x, y, records)
 
     opt.step(closure)  # the step checked starts from an updated B
     old = {k: v.clone() for k, v in head.state.items()}
