@@ -205,8 +205,8 @@ class FOOVB(Persistence):
     implicit_mean = _fixed_setting("implicit_mean", "Whether the mean step uses the updated covariance.")
     curvature_damping = _fixed_setting("curvature_damping", "Whether the diagonal mean step is damped by the "
                                        "curvature its samples measured.")
-    diagonal_output_factor = _fixed_setting("diagonal_output_factor", "Whether the matrix-variate output factors "
-                                            "(rows' covariance) are kept diagonal.")
+    diagonal_output_factor = _fixed_setting("diagonal_output_factor", "Whether the output layer's matrix-variate "
+                                            "output factor (its outputs' covariance) is kept diagonal.")
     secant_check = _fixed_setting("secant_check", "Whether the mean step is cut back to the secant minimum along it "
                                   "(`foovb.secant`).")
     calibrate_prior = _fixed_setting("calibrate_prior", "The output noise the prior is calibrated to at the first "

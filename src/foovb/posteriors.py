@@ -420,8 +420,9 @@ class KroneckerBlock(PosteriorBlock):
         p, n = mean.shape
         e1 = stats["psi_sum"] / num_samples
         e2 = stats["psi_b_phi"].scaled(cov_step / (p * num_samples))  # mean (1/p) Psi^T B Phi
-        # mean (1/n) Psi A Phi^T (p x p), as in the appendix "Derivation of the fixed-point equations for the matrix
-        # variate Gaussian"; Algorithm 3 prints Psi^T A Phi, which has no consistent shape (a typo)
+        # mean (1/n) Psi A Phi^T (p x p; its diagonal, p, with diagonal_output_factor), as in the appendix
+        # "Derivation of the fixed-point equations for the matrix variate Gaussian"; Algorithm 3 prints Psi^T A Phi,
+        # which has no consistent shape (a typo)
         e3 = stats["psi_a_phi"] * (cov_step / (n * num_samples))
         # A, B <- solutions of X X^T + V E X^T - V = 0 (Lemmas 1-2); Eq. "Kronecker-factored necessary conditions":
         # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
