@@ -174,7 +174,7 @@ def test_the_diagonal_factor_update_is_the_general_solver_on_a_diagonal(implicit
     block, gen = opt.blocks[0], make_generator(2)
     b = torch.diag(0.2 + torch.rand(6, generator=gen, dtype=F64))
     t = 3 * torch.randn(6, generator=gen, dtype=F64)
-    closed = block.updated_and_step_diagonal_factor(b, t, tempering)
+    closed = block.updated_and_step_factor(b, t, tempering)  # a vector t: the diagonal closed form
     general = block.updated_and_step_factor(b, LowRank(dense=torch.diag(t)), tempering)
     for mine, theirs in zip(closed, general, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-15)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .engine import RunningStatistics
-from .posteriors import CALIBRATED, DiagonalBlock, KroneckerBlock, PosteriorBlock
+from .posteriors import CALIBRATED, DiagonalBlock, KroneckerBlock, PosteriorBlock, output_layer_blocks
 from .priors import AUTO_MAX_FEATURES
 
 SAMPLES = 10  # sampled networks per measurement
@@ -133,8 +133,7 @@ def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     rarely, were not measured). The output layer's wider steps lost a class-incremental stream's first task: the
     suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior (docs/results/
     step_prior.md)."""
-    output_layer = blocks[-1:] if not blocks or blocks[-1].module is None else [
-        block for block in blocks if block.module is blocks[-1].module]
+    output_layer = output_layer_blocks(blocks)
 
     def too_wide(block: PosteriorBlock) -> bool:
         return isinstance(block, KroneckerBlock) and max(

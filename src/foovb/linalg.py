@@ -231,6 +231,18 @@ def sqrt_covariance_update(sqrt_cov: Tensor, t: LowRank, *, dtype: torch.dtype =
     return new, a + (a_u * (root_scale(s * also_scaled) - 1.0).to(a.dtype)) @ u.T
 
 
+def diagonal_sqrt_covariance_update(sqrt_cov: Tensor, t: Tensor, *,
+                                    also_scaled: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """`sqrt_covariance_update` for a diagonal square root A and the diagonal t of T (a vector): A^T diag(t) has
+    singular values |A_ii t_i| along the axes, so the root is A_ii h(|A_ii t_i|) in closed form, no decomposition."""
+    scale = sqrt_cov.diagonal()
+    singular_values = (scale * t).abs()
+    new = torch.diag(scale * root_scale(singular_values))
+    if also_scaled is None:
+        return new
+    return new, torch.diag(scale * root_scale(singular_values * also_scaled))
+
+
 def prior_swapped(variances: Tensor, prior: Tensor, new_prior: Tensor) -> Tensor:
     """1 / (1 / variances - 1 / prior + 1 / new_prior), elementwise, for `new_prior` >= `prior`: the eigenvalues of a
     posterior covariance whose isotropic prior variance `prior` is replaced by `new_prior` (calibrate_prior's and

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .linalg import (
     EighCache,
     LowRank,
+    diagonal_sqrt_covariance_update,
     prior_swapped,
     prior_swapped_in_eigenbases,
     prior_swapped_product,
@@ -94,13 +95,16 @@ class PosteriorBlock(ABC):
         (`linalg.prior_swapped`, `foovb.calibration`); () where neither acts."""
         return tuple(self.state[key] for key in CALIBRATED) if CALIBRATED[0] in self.state else ()
 
-    def updated_and_step_factor(self, sqrt_cov: Tensor, t: LowRank, tempering: float) -> tuple[Tensor, Tensor]:
+    def updated_and_step_factor(self, sqrt_cov: Tensor, t: LowRank | Tensor,
+                                tempering: float) -> tuple[Tensor, Tensor]:
         """A covariance factor after Lemma 2's update for T, and the factor the mean step uses: the prior's
         (Algorithm 1), the updated one (implicit_mean), or, where `step_tempering` > 1, the one for tempering x T
-        (from the same decomposition)."""
+        (from the same decomposition). A vector `t` is the diagonal of T for a diagonal factor
+        (`diagonal_sqrt_covariance_update`)."""
+        update = diagonal_sqrt_covariance_update if isinstance(t, Tensor) else sqrt_covariance_update
         if self.implicit_mean and tempering > 1:
-            return sqrt_covariance_update(sqrt_cov, t, also_scaled=tempering)
-        updated = sqrt_covariance_update(sqrt_cov, t)
+            return update(sqrt_cov, t, also_scaled=tempering)
+        updated = update(sqrt_cov, t)
         return updated, updated if self.implicit_mean else sqrt_cov
 
         # -- Algorithm 1, step 1 & 2 -----------------------------------------------------------------------
@@ -290,6 +294,14 @@ class DiagonalBlock(PosteriorBlock):
         return PosteriorView(self.state["mean"].clone(), std, lambda: torch.diag(std.flatten().square()))
 
 
+def output_layer_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
+    """The blocks of the model's output layer: those of the last block's module (the last module with trainable
+    parameters, in the model's parameter order), or the last block alone where it has no module."""
+    if not blocks or blocks[-1].module is None:
+        return list(blocks[-1:])
+    return [block for block in blocks if block.module is blocks[-1].module]
+
+
 class KroneckerBlock(PosteriorBlock):
     """Matrix-variate Gaussian over a Linear/Conv2d layer (Algorithm 3).
 
@@ -302,10 +314,10 @@ class KroneckerBlock(PosteriorBlock):
     optional_state = {**dict.fromkeys(CALIBRATED), AT_REFRESH[0]: "input_sqrt_cov", AT_REFRESH[1]: "output_sqrt_cov"}
 
     def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
-                 init: str, implicit_mean: bool = False, diagonal_output_factor: bool = False):
+                 init: str, implicit_mean: bool = False):
         params = [module.weight] + ([module.bias] if module.bias is not None else [])
         super().__init__(params, state, module, implicit_mean)
-        self.diagonal_output_factor = diagonal_output_factor
+        self.diagonal_output_factor = False  # set on the output layer's block by priors.make_blocks
         weight = module.weight
         self.out_features = weight.shape[0]
         self.in_features = weight[0].numel()
@@ -428,27 +440,14 @@ class KroneckerBlock(PosteriorBlock):
         # M <- M - eta B B^T E1 A A^T, with the prior's factors (Algorithm 3) or the updated ones (implicit_mean)
         tempering = step_tempering(mean_step, cov_step)
         self.state["input_sqrt_cov"], a = self.updated_and_step_factor(a, e2, tempering)
-        if self.diagonal_output_factor:
-            self.state["output_sqrt_cov"], b = self.updated_and_step_diagonal_factor(b, e3, tempering)
-        else:
-            self.state["output_sqrt_cov"], b = self.updated_and_step_factor(b, LowRank(dense=e3), tempering)
+        self.state["output_sqrt_cov"], b = self.updated_and_step_factor(  # a vector e3: B kept diagonal
+            b, e3 if self.diagonal_output_factor else LowRank(dense=e3), tempering)
         if priors := self.mean_step_priors():  # calibrate_prior or step_prior (foovb.calibration), in the factors'
             eighs = [refreshed_factor_eigh(factor, self.state, key, self.eigh_caches[key])  # eigenbases (a wide one's
                      for key, factor in zip(AT_REFRESH, (a, b), strict=True)]  # refreshed as it moves: linalg)
             mean.sub_(mean_step * prior_swapped_in_eigenbases(e1, *eighs, *priors))
         else:
             mean.sub_(mean_step * (b @ (b.T @ e1 @ a) @ a.T))
-
-    def updated_and_step_diagonal_factor(self, sqrt_cov: Tensor, t: Tensor, tempering: float) -> tuple[Tensor, Tensor]:
-        """`updated_and_step_factor` for a diagonal factor and the diagonal `t` of T (diagonal_output_factor):
-        Lemma 2's root in closed form, B_ii h(|B_ii t_i|) (the singular values of B^T diag(t) are |B_ii t_i|, its
-        singular vectors the axes: the same root as `sqrt_covariance_update`'s, without a decomposition)."""
-        scale = sqrt_cov.diagonal()
-        singular_values = (scale * t).abs()
-        updated = torch.diag(scale * root_scale(singular_values))
-        if self.implicit_mean and tempering > 1:
-            return updated, torch.diag(scale * root_scale(singular_values * tempering))
-        return updated, updated if self.implicit_mean else sqrt_cov
 
     def mean_values(self) -> list[Tensor]:
         return self.split(self.state["mean"])

@@ -56,11 +56,11 @@ The arguments of FOOVB:
         parameter; refused in data-parallel training, whose shards cannot sum squared gradients (an extension). On in
         the recommended diagonal preset where implicit_mean is (implicit_mean=False turns the preset's damping off).
     diagonal_output_factor: matrix-variate family: the output layer (the last module with trainable parameters,
-        `priors.output_layer`) keeps its output factor B (the covariance between its outputs) diagonal: Lemma 2 solved
-        with the diagonal of E3 = (1/n) E[Psi A Phi^T], whose off-diagonal entries, p (p - 1) of them from K samples of
-        a batch, were mostly noise where the outputs do not share their errors (a regression or an autoencoder's
-        pixels). The hidden layers keep the full factor: kept diagonal there, it lost up to 15 points on the
-        robustness grid's narrow MLPs (an extension; docs/results/output_factor.md). On in the recommended
+        `posteriors.output_layer_blocks`) keeps its output factor B (the covariance between its outputs) diagonal:
+        Lemma 2 solved with the diagonal of E3 = (1/n) E[Psi A Phi^T], whose off-diagonal entries, p (p - 1) of them
+        from K samples of a batch, were mostly noise where the outputs do not share their errors (a regression or an
+        autoencoder's pixels). The hidden layers keep the full factor: kept diagonal there, it lost up to 15 points
+        on the robustness grid's narrow MLPs (an extension; docs/results/output_factor.md). On in the recommended
         matrix-variate preset (since session 49); False: Algorithm 3's full factor.
     init: "keep" (the model's current weights are the prior mean: a pretrained model is kept);
         "paper" (Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0; matrix-variate: the alpha

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock
+from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, output_layer_blocks
 
 XAVIER = "xavier"
 AUTO = "auto"  # the default posterior: matrix-variate where affordable, diagonal elsewhere
@@ -120,14 +120,6 @@ def affordable_matrix_variate(module: nn.Module) -> bool:
             and weight[0].numel() <= AUTO_MAX_FEATURES and weight.shape[0] <= AUTO_MAX_FEATURES)
 
 
-def output_layer(model: nn.Module) -> nn.Module | None:
-    """The model's output layer as foovb reads it: the last module with trainable parameters, in the model's
-    parameter order (`calibration.step_prior_blocks` takes the same)."""
-    with_params = [module for module in model.modules()
-                   if any(p.requires_grad for p in module.parameters(recurse=False))]
-    return with_params[-1] if with_params else None
-
-
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
                 layer_std: dict[int, float]) -> list[PosteriorBlock]:
     """One posterior block per trainable tensor (diagonal), per nn.Linear / nn.Conv2d (kronecker; other
@@ -138,7 +130,6 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
     max_full_params, implicit_mean = settings["max_full_params"], settings["implicit_mean"]
     blocks: list[PosteriorBlock] = []
     seen: set[int] = set()
-    head = output_layer(model)
     for name, module in model.named_modules():
         direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if not direct:
@@ -154,8 +145,7 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                 posterior == "kronecker" or posterior == AUTO and affordable_matrix_variate(module)):
             if module.bias is not None and not module.bias.requires_grad:
                 raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
-            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init, implicit_mean,
-                                         settings["diagonal_output_factor"] and module is head))
+            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init, implicit_mean))
         elif posterior == "full":
             size = sum(p.numel() for p in direct)
             if size > max_full_params:
@@ -177,6 +167,10 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                 and module.weight.requires_grad:
             table_block = next(b for b in blocks if any(p is module.weight for p in b.params))
             _fix_padding_row(table_block, module.weight, module.padding_idx)
+    if settings["diagonal_output_factor"]:  # the output layer's B kept diagonal (its statistics are made per step)
+        for block in output_layer_blocks(blocks):
+            if isinstance(block, KroneckerBlock):
+                block.diagonal_output_factor = True
     return blocks
 
 
