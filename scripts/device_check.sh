@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU checks of one lent device session, as one command (docs/performance.md, "On a GPU"): the runner's GPU
-# test, the timing tables (each ratio measured in its own run), then training runs side by side until a deadline;
+# The GPU checks of one lent device session, as one command (docs/performance.md, "On a GPU"): the GPU tests
+# (tests/test_gpu.py, the runner's), the timing tables (each ratio measured in its own run), then training runs side by side until a deadline;
 # SIGTERM checkpoints them, and each run directory comes back as one tar file (checkpoint included, so that a later
 # session resumes it). From the repository root, with the data directory carried into the checkout:
 #
@@ -21,7 +21,7 @@ elapsed() { echo $(($(date +%s) - START)); }
   python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
   [ "${TABLES:-1}" = 0 ] && exit 0
   echo "== GPU test ($(elapsed) s)"
-  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_runner.py -k gpu || echo "GPU TEST FAILED"
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_runner.py -k gpu || echo "GPU TEST FAILED"
   for cmd in "step_time.py --device cuda --sizes 1024,200,200,10 --repeats 30 --ks 1,10" \
              "closure_path.py --device cuda --repeats 30" "lenet_step.py --device cuda --repeats 20"; do
     echo "== $cmd ($(elapsed) s)"

@@ -1,0 +1,99 @@
+"""FOOVB(model) on a CUDA GPU: the same checks on the CPU (always run) and on a GPU (skipped without one; run by
+scripts/device_check.sh). The default's posterior lives on the model's device, trains the models users bring
+(a classifier, an autoencoder with a mean loss over its outputs, a CNN), keeps the output layer's output factor
+diagonal there, repeats itself for one seed, reaches the CPU run's loss (other noise: a GPU draws its own), and
+its state_dict moves between the CPU and the GPU."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foovb import FOOVB
+from foovb.posteriors import KroneckerBlock, output_layer_blocks
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
+
+
+def problem(kind: str, device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object]:
+    """A model built on the CPU from a fixed seed, moved to `device`, and its full batch (inputs, targets, loss)."""
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if kind == "autoencoder":
+        model = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 20))
+        codes = torch.randn(256, 3, generator=generator)
+        inputs = torch.tanh(codes @ torch.randn(3, 20, generator=generator))
+        targets, loss_fn = inputs, F.mse_loss
+    else:
+        shape = (1, 8, 8) if kind == "cnn" else (20,)
+        inputs = torch.randn(256, *shape, generator=generator)
+        targets = (inputs.flatten(1) @ torch.randn(inputs[0].numel(), 10, generator=generator)).argmax(1)
+        loss_fn = F.cross_entropy
+        if kind == "cnn":
+            model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+        else:
+            model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))
+    return model.to(device), inputs.to(device), targets.to(device), loss_fn
+
+
+def train(kind: str, device: str, steps: int, seed: int = 0) -> tuple[FOOVB, list[float]]:
+    model, inputs, targets, loss_fn = problem(kind, device)
+    optimizer = FOOVB(model, mc_samples=4, seed=seed)
+    losses = [float(optimizer.step_batched(inputs, targets, loss_fn)) for _ in range(steps)]
+    return optimizer, losses
+
+
+def state_tensors(optimizer: FOOVB) -> list[torch.Tensor]:
+    return [value for entry in optimizer.state_dict()["state"].values() for value in entry.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mlp", "autoencoder", "cnn"])
+def test_the_default_trains_on_the_device_with_a_diagonal_output_factor(kind: str, device: str) -> None:
+    optimizer, losses = train(kind, device, steps=60)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < 0.8 * losses[0]
+    tensors = state_tensors(optimizer)
+    assert tensors and {tensor.device.type for tensor in tensors} == {device}
+    head = output_layer_blocks(optimizer.blocks)
+    assert head and all(isinstance(block, KroneckerBlock) and block.diagonal_output_factor for block in head)
+    for block in head:
+        output_factor = block.state["output_sqrt_cov"]
+        assert torch.equal(output_factor, torch.diag(torch.diagonal(output_factor)))
+    hidden = [block for block in optimizer.blocks if block not in head]
+    assert not any(getattr(block, "diagonal_output_factor", False) for block in hidden)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_seed_gives_one_run_on_the_device(device: str) -> None:
+    first, _ = train("mlp", device, steps=8)
+    second, _ = train("mlp", device, steps=8)
+    for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["mlp", "autoencoder"])
+def test_a_gpu_run_reaches_the_cpu_runs_loss(kind: str) -> None:
+    _, on_cpu = train(kind, "cpu", steps=150)
+    _, on_gpu = train(kind, "cuda", steps=150)
+    cpu_end, gpu_end = sum(on_cpu[-10:]) / 10, sum(on_gpu[-10:]) / 10
+    assert max(cpu_end, gpu_end) < 0.5 * on_cpu[0] and abs(cpu_end - gpu_end) < 0.2 * on_cpu[0]
+
+
+@needs_gpu
+@pytest.mark.parametrize(("source", "target"), [("cuda", "cpu"), ("cpu", "cuda")])
+def test_the_state_dict_moves_between_the_cpu_and_the_gpu(source: str, target: str) -> None:
+    trained, _ = train("mlp", source, steps=5)
+    model, inputs, targets, loss_fn = problem("mlp", target)
+    model.load_state_dict(copy.deepcopy(trained.model.state_dict()))
+    moved = FOOVB(model, mc_samples=4, seed=0)
+    moved.load_state_dict(trained.state_dict())
+    for here, there in zip(state_tensors(moved), state_tensors(trained), strict=True):
+        assert here.device.type == target
+        torch.testing.assert_close(here.cpu(), there.cpu())
+    assert torch.isfinite(moved.step_batched(inputs, targets, loss_fn))
