@@ -16,6 +16,7 @@ from foovb.posteriors import KroneckerBlock, output_layer_blocks
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: threads only contend
 
 
 def problem(kind: str, device: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, object]:
@@ -39,9 +40,9 @@ def problem(kind: str, device: str) -> tuple[nn.Module, torch.Tensor, torch.Tens
     return model.to(device), inputs.to(device), targets.to(device), loss_fn
 
 
-def train(kind: str, device: str, steps: int, seed: int = 0) -> tuple[FOOVB, list[float]]:
+def train(kind: str, device: str, steps: int, seed: int = 0, posterior: str = "auto") -> tuple[FOOVB, list[float]]:
     model, inputs, targets, loss_fn = problem(kind, device)
-    optimizer = FOOVB(model, mc_samples=4, seed=seed)
+    optimizer = FOOVB(model, posterior, mc_samples=4, seed=seed)
     losses = [float(optimizer.step_batched(inputs, targets, loss_fn)) for _ in range(steps)]
     return optimizer, losses
 
@@ -68,19 +69,44 @@ def test_the_default_trains_on_the_device_with_a_diagonal_output_factor(kind: st
     assert not any(getattr(block, "diagonal_output_factor", False) for block in hidden)
 
 
+@pytest.mark.parametrize("damping", [True, False])
+def test_the_gpu_sums_of_a_diagonal_block_are_the_per_sample_sums(damping: bool) -> None:
+    model = nn.Linear(6, 5)
+    (block,) = [b for b in FOOVB(model, "diagonal", curvature_damping=damping, implicit_mean=True).blocks
+                if b.params[0] is model.weight]
+    generator = torch.Generator().manual_seed(1)
+    noise, grad = (torch.randn(8, 5, 6, generator=generator) for _ in range(2))
+    per_sample, reduced = block.new_statistics(), block.new_statistics()
+    block.accumulate(per_sample, noise, [grad])  # the CPU's path
+    block.accumulate_reduced(reduced, noise, grad)  # a GPU's
+    assert per_sample.keys() == reduced.keys() and len(reduced) == (4 if damping else 2)
+    for key, value in per_sample.items():
+        torch.testing.assert_close(reduced[key], value)
+    torch.testing.assert_close(reduced["grad_noise_sum"], (grad * noise).sum(0))
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_seed_gives_one_run_on_the_device(device: str) -> None:
-    first, _ = train("mlp", device, steps=8)
-    second, _ = train("mlp", device, steps=8)
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_the_diagonal_family_trains_on_the_device(kind: str, device: str) -> None:
+    optimizer, losses = train(kind, device, steps=60, posterior="diagonal")
+    assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) / 5 < 0.8 * losses[0]
+    assert {tensor.device.type for tensor in state_tensors(optimizer)} == {device}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("posterior", ["auto", "diagonal"])
+def test_one_seed_gives_one_run_on_the_device(posterior: str, device: str) -> None:
+    first, _ = train("mlp", device, steps=8, posterior=posterior)
+    second, _ = train("mlp", device, steps=8, posterior=posterior)
     for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @needs_gpu
-@pytest.mark.parametrize("kind", ["mlp", "autoencoder"])
-def test_a_gpu_run_reaches_the_cpu_runs_loss(kind: str) -> None:
-    _, on_cpu = train(kind, "cpu", steps=150)
-    _, on_gpu = train(kind, "cuda", steps=150)
+@pytest.mark.parametrize(("kind", "posterior"), [("mlp", "auto"), ("autoencoder", "auto"), ("mlp", "diagonal")])
+def test_a_gpu_run_reaches_the_cpu_runs_loss(kind: str, posterior: str) -> None:
+    _, on_cpu = train(kind, "cpu", steps=150, posterior=posterior)
+    _, on_gpu = train(kind, "cuda", steps=150, posterior=posterior)
     cpu_end, gpu_end = sum(on_cpu[-10:]) / 10, sum(on_gpu[-10:]) / 10
     assert max(cpu_end, gpu_end) < 0.5 * on_cpu[0] and abs(cpu_end - gpu_end) < 0.2 * on_cpu[0]
 

@@ -75,7 +75,10 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
         out = (into or {}).get(block)
         if out is None or out.shape != (len(samples), *block.noise_shape) or out.device != generator.device:
             out = torch.empty(len(samples), *block.noise_shape, dtype=ref.dtype, device=generator.device)
+        whole_pairs = antithetic and len(samples) % 2 == 0 and samples.start % 2 == 0 and samples.step == 1
         for row, k in enumerate(samples):
+            if whole_pairs and k % 2:  # negated below, every pair at once (one kernel, not one per pair)
+                continue
             if antithetic and k % 2 and row and samples[row - 1] == k - 1:  # the pair's first half is drawn
                 torch.neg(out[row - 1], out=out[row])
                 continue
@@ -83,6 +86,8 @@ def draw_noise(blocks: list[PosteriorBlock], seed: int, samples: range, *, antit
             torch.randn(block.noise_shape, generator=generator, dtype=ref.dtype, out=out[row])
             if antithetic and k % 2:
                 out[row].neg_()
+        if whole_pairs and len(samples):
+            torch.neg(out[0::2], out=out[1::2])
         noises[block] = out.to(ref.device)
     return noises
 
