@@ -5,6 +5,8 @@ diagonal there, repeats itself for one seed, reaches the CPU run's loss (other n
 its state_dict moves between the CPU and the GPU."""
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,12 @@ from torch import nn
 
 from foovb import FOOVB
 from foovb.posteriors import KroneckerBlock, output_layer_blocks
+
+_spec = importlib.util.spec_from_file_location(
+    "step_ops", Path(__file__).resolve().parents[1] / "benchmarks" / "step_ops.py")
+step_ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(step_ops)
+OperatorCount = step_ops.OperatorCount
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_gpu)]
@@ -83,6 +91,13 @@ def test_the_gpu_sums_of_a_diagonal_block_are_the_per_sample_sums(damping: bool)
     for key, value in per_sample.items():
         torch.testing.assert_close(reduced[key], value)
     torch.testing.assert_close(reduced["grad_noise_sum"], (grad * noise).sum(0))
+    # what the reduction is for: a GPU step is bound by kernel launches (docs/performance.md, "On a GPU")
+    per_sample, reduced = block.new_statistics(), block.new_statistics()
+    with OperatorCount() as per_sample_count:
+        block.accumulate(per_sample, noise, [grad])
+    with OperatorCount() as reduced_count:
+        block.accumulate_reduced(reduced, noise, grad)
+    assert reduced_count.count <= 10 < 2 * len(noise) <= per_sample_count.count
 
 
 @pytest.mark.parametrize("device", DEVICES)
