@@ -335,3 +335,20 @@ def test_a_cosine_schedule_down_to_0_runs_and_a_negative_or_nan_lr_is_refused():
             opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
     with pytest.raises(ValueError, match="mean_step must be a finite number >= 0"):
         FOOVB(model, mean_step=-0.1)
+
+
+def test_gradients_left_by_earlier_training_are_dropped_at_construction():
+    """Pretrained with Adam, then FOOVB(model): the last Adam step's gradients were refused at the first step as
+    "already computed" (gradient accumulation's error). FOOVB never uses gradients from before it existed, so it
+    drops them; a backward() after construction is still refused (tests/test_calibration.py)."""
+    x, y = mlp_batch(rows=8)
+    model = mlp(seed=0)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    F.cross_entropy(model(x), y).backward()
+    adam.step()
+    pretrained = [p.detach().clone() for p in model.parameters()]
+    opt = FOOVB(model, seed=0)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), pretrained, strict=True))  # the kept mean
+    opt.step(_closure(model, lambda m: F.cross_entropy(m(x), y)))
+    assert opt.steps_taken == 1

@@ -494,3 +494,18 @@ def test_uncertainty_arguments_are_checked_and_autocast_probabilities_are_accept
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bfloat16 probabilities sum to 1 only to ~3e-3
         low = uncertainty(opt, x, K)
     torch.testing.assert_close(low.predictive_entropy.float(), exact.predictive_entropy, rtol=0, atol=0.05)
+
+
+def test_a_one_output_model_needs_an_output_fn():
+    """The default output_fn is a softmax over the classes: over a regression net's one output it was 1 for every
+    input (and uncertainty()'s entropies 0), without a word; refused, naming the output_fn to pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = FOOVB(model, mc_samples=4, seed=0)
+    x = torch.randn(5, 4)
+    for call in (lambda: predict(opt, x), lambda: predict(opt, x, 4), lambda: uncertainty(opt, x, 4)):
+        with pytest.raises(ValueError, match=r"one output per row, whose softmax is always 1.*output_fn"):
+            call()
+    values = predict(opt, x, 4, output_fn=lambda out: out.squeeze(-1))
+    assert values.mean.shape == (5,) and values.samples.shape == (4, 5)
+    torch.testing.assert_close(values.mean, model(x).squeeze(-1).detach())

@@ -275,6 +275,9 @@ class Step:
             loss = closure()
             if not isinstance(loss, Tensor):
                 raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+            if loss.numel() != 1:
+                raise ValueError(f"the closure must return the scalar loss it called backward() on, not a tensor of "
+                                 f"shape {tuple(loss.shape)} (per-example losses: return their sum or mean)")
             sample.loss = float(loss.detach())
         return sample.loss
 
@@ -323,12 +326,19 @@ class Step:
                     reduction = loss_reduction_of(loss)
                     try:
                         grad_scale = loss_scale(reduction, self.loss_reduction, None, frozenset({c * rows}))
-                    except ValueError as error:  # its advice is for step(closure): step_batched has no batch_size
+                    except ValueError as stacked:  # its advice is for step(closure): step_batched has no batch_size
+                        # the advice for step(closure) on the batch itself: its rows and 1/c of the stacked terms
+                        on_one = reduction._replace(terms=reduction.terms / c, mean_inside=reduction.mean_inside / c)
+                        try:
+                            loss_scale(on_one, self.loss_reduction, None, frozenset({rows}))
+                            read = str(stacked)
+                        except ValueError as on_the_batch:
+                            read = str(on_the_batch)
                         raise ValueError(
                             f"step_batched: loss_fn must return a mean over the {c} x {rows} stacked rows or their "
                             "sum (e.g. F.cross_entropy's default, or reduction='sum'); for any other loss (a "
                             "regulariser, a constant) use step(closure), whose error names the fix. "
-                            f"What was read: {error}") from None
+                            f"What was read: {read}") from None
                     loss.backward()
                 with full_precision():
                     network.accumulate(self.stats, grad_scale, shared_inputs)

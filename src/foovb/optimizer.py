@@ -187,6 +187,9 @@ class FOOVB(Persistence):
         if self.step_prior > 1:
             widen_step_prior(step_prior_blocks(self.blocks), self.step_prior)
         self.load_mean_into_model()
+        for block in self.blocks:  # gradients of earlier training (another optimizer's last step): never a step's
+            for param in block.params:
+                param.grad = None
         hold_module_hooks(self)  # the loss spy's, removed with the last optimizer
 
     statistics_reducer = _progress("statistics_reducer", "How processes combine a step's statistics: None (one "

@@ -58,6 +58,12 @@ class Predictions:
 
 
 def _softmax(logits: Tensor) -> Tensor:
+    """The default output_fn: class probabilities. One output per row is refused: its softmax is 1 whatever the
+    model says (a regression net, or a binary classifier's single logit)."""
+    if logits.shape[-1] == 1:
+        raise ValueError("the model has one output per row, whose softmax is always 1: these predictions are class "
+                         "probabilities. Pass output_fn: lambda out: out.squeeze(-1) for a regression net's values, "
+                         "torch.sigmoid for a binary classifier's logit (uncertainty() needs two or more classes)")
     return torch.softmax(logits, -1)
 
 

@@ -193,6 +193,10 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         if kind == "sum" and (math.isnan(terms) or terms == batch_size):  # a loss function's sum, or over the rows
             raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum: "
                              "drop batch_size")
+        if kind == "mean" and factor == 1 and terms != batch_size:  # it can be read, and says otherwise
+            raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} "
+                             f"terms, but it is a mean over {terms:g} (the values it averages): drop batch_size, "
+                             f"and the step multiplies it by {terms:g} itself")
         return float(batch_size)
     if declared == "sum":
         if kind == "mean" or not math.isnan(mean_inside):
@@ -235,12 +239,20 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             "summed negative log-likelihood. If it is, say so with FOOVB(..., loss_reduction='sum'), or use "
             "the loss function's reduction='sum'")
     if not math.isnan(mean_inside):
+        if batch is not None and mean_inside > batch and (mean_inside / batch).is_integer():  # several values a row
+            what = (f"a mean over N values, N the number the likelihood's mean averages (a plain mean loss is "
+                    f"multiplied by it): {batch} if one per row of the batch (F.cross_entropy), {mean_inside:g} if "
+                    f"the mean over {mean_inside:g} values read here is the likelihood's (F.mse_loss over "
+                    f"{mean_inside / batch:g} outputs per row, a per-token loss)")
+            call = "step(closure, batch_size=N)"
+        else:
+            what, call = "a mean over the batch", f"step(closure, batch_size={n or 'n'})"
         raise ValueError(
             f"the loss adds a mean over {mean_inside:g} terms to something else ({kind}: e.g. a regulariser), so "
-            f"how it relates to the batch's summed negative log-likelihood cannot be read from it: call "
-            f"step(closure, batch_size={n or 'n'}) to say it is a mean over the batch (everything is multiplied "
-            "by the batch size: a term that is already a sum over the batch, such as output_anchor(..., "
-            "reduction='sum'), would be counted that many times; give it the loss's reduction instead)")
+            f"how it relates to the batch's summed negative log-likelihood cannot be read from it: call {call} to "
+            f"say it is {what} (everything is multiplied by it: a term that is already a sum over the batch, such "
+            "as output_anchor(..., reduction='sum'), would be counted that many times; give it the loss's "
+            "reduction instead)")
     if kind == _NO_BACKWARD:
         raise ValueError(
             "the closure filled the gradients without calling backward() on a loss (gradients computed by "
@@ -249,10 +261,14 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             "call loss.backward() "
             f"in the closure, or say it: step(closure, batch_size={n or 'n'}) for a mean over the batch's rows, "
             "FOOVB(..., loss_reduction='sum') for their sum")
+    if kind == "a non-scalar loss":
+        raise ValueError("the loss is not a scalar (a loss function's reduction='none'?): return its mean or its sum "
+                         "over the batch (F.cross_entropy(out, y), or losses.sum())")
     raise ValueError(
         f"cannot tell how the loss was reduced over the batch (its last operation: {kind}): call backward() on the "
-        f"loss function's output itself (its mean, or reduction='sum'), or call step(closure, "
-        f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows")
+        f"loss function's output itself (its mean, or reduction='sum'), call step(closure, "
+        f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows, or FOOVB(..., loss_reduction='sum') "
+        "if it is the batch's summed negative log-likelihood (plus a regulariser)")
 
 
 def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int | None,
@@ -380,7 +396,7 @@ class LossSpy(TorchFunctionMode):
             try:
                 scales.append(loss_scale(reduction, declared, batch_size, frozenset(self.rows)))
             except ValueError as error:
-                if len(self.reductions) == 1:
+                if len(self.reductions) == 1 or batch_size is not None:  # (batch_size: it contradicts this loss)
                     raise
                 # the single-loss advice would count this loss's terms (e.g. activations), not the batch's rows,
                 # and a batch_size multiplies the gradients of every backward() call alike
