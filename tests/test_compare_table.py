@@ -104,6 +104,18 @@ def test_a_summary_and_metrics_that_are_not_one_runs_are_one_error_line(two_runs
     assert not (tmp_path / "cmp").exists()
 
 
+def test_a_config_copied_from_another_run_is_one_error_line(two_runs, tmp_path, capsys):
+    """config.yaml copied from another run into a run directory: compare grouped the run by the other's settings
+    (a helper's trial, session 50)."""
+    foovb, sgd = two_runs
+    (foovb / "config.yaml").write_text((sgd / "config.yaml").read_text())
+    assert main(["compare", str(foovb), str(sgd), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"foovb: error: {foovb}: config.yaml is not the config of the run whose results are there "
+                   "(summary.json's learner is 'foovb', config.yaml's 'sgd'); restore the run's own config.yaml"]
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_a_table_that_cannot_be_written_leaves_the_old_one_whole(two_runs, tmp_path, monkeypatch):
     """compare wrote its tables straight into the files: a full disk or a kill left half a table."""
     import builtins

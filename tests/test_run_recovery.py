@@ -379,3 +379,24 @@ def test_a_damaged_saved_config_is_one_error_line_naming_it(uninterrupted, confi
         assert re.search(says, error[0]) and error[0].endswith("or start the run in a new directory")
     with pytest.raises(ConfigError, match=re.escape(str(saved))):
         load_learner(run_dir)
+
+
+def test_finite_weights_whose_logits_overflow_stop_the_run_at_the_evaluation(config_file, tmp_path, capsys,
+                                                                            monkeypatch) -> None:
+    """Weights finite but huge (a baseline at a far too large learning rate): the logits overflow, the test NLL is
+    NaN and the accuracy chance-level; such a run finished with exit 0 and a summary (a helper's trial, session
+    50). It stops at the evaluation instead, before anything is saved with it."""
+    def huge_weights(learner):
+        with torch.no_grad():
+            for param in learner.model.parameters():
+                param.mul_(1e30)
+        return 0.5
+
+    out = tmp_path / "sgd"
+    _patch_observe(monkeypatch, 9, huge_weights)  # the step before the evaluation after 10 iterations
+    assert _cli_run(config_file, out, "learner.kind=sgd", "learner.params={lr: 0.1}") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "training diverged after 10 of 20 iterations" in err
+    assert "the model's outputs on the test set of task(s) [1, 2] are not finite" in err and "NaN log-likelihood" in err
+    assert _checkpoint_iteration(out) == 7 and not (out / "summary.json").exists()

@@ -403,6 +403,26 @@ def test_a_directory_with_an_unfinished_run_is_not_reused_without_resume(tmp_pat
     assert (run_dir / "config.yaml").read_text() == saved
 
 
+def test_a_directory_that_holds_the_users_own_files_is_not_a_run_directory(tmp_path, capsys) -> None:
+    """`foovb run myexp/config.yaml --out myexp` replaced the user's commented config.yaml with the resolved one,
+    with exit 0 (a helper's trial, session 50): a directory without run.json that holds a file a run writes is
+    refused, nothing in it touched; a directory with run.json (a run stopped before its first checkpoint) is not."""
+    experiment = tmp_path / "myexp"
+    experiment.mkdir()
+    config = experiment / "config.yaml"
+    config.write_text("# my notes\n" + json.dumps(quick()))
+    written = config.read_text()
+    assert main(["run", str(config), "--out", str(experiment), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"foovb: error: {experiment} holds config.yaml but no run (run.json): a run there would "
+                          "overwrite it")
+    assert config.read_text() == written and sorted(p.name for p in experiment.iterdir()) == ["config.yaml"]
+    started = tmp_path / "started"  # killed before its first checkpoint: run.json and config.yaml, no checkpoint
+    assert run(config_from_dict(quick()), started, progress=False, stop_after=9) == {"interrupted_at": 9}
+    (started / "checkpoint.pt").unlink()
+    assert run(config_from_dict(quick()), started, progress=False)["num_tasks"] == 2
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "full"

@@ -49,7 +49,24 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(f"{run_dir}: a damaged output file ({problem}); `foovb run CONFIG --out {run_dir} "
                               "--resume` rebuilds the outputs from its checkpoint")
-    return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(saved_config(run_dir))}
+    config = saved_config(run_dir)
+    problem = _config_disagrees(summary, config)
+    if problem is not None:  # config.yaml copied from another run: the comparison would group it with that one
+        raise CheckpointError(f"{run_dir}: config.yaml is not the config of the run whose results are there "
+                              f"({problem}); restore the run's own config.yaml")
+    return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(config)}
+
+
+def _config_disagrees(summary: dict[str, Any], config: Config) -> str | None:
+    """Why summary.json was not written by a run of `config` (its name, scenario or learner differ), or None. A key
+    summary.json lacks is not compared."""
+    learner = config.learner.kind
+    for what, configured in (("name", config.name), ("scenario", config.scenario.kind), ("learner", learner)):
+        written = summary.get(what, configured)
+        if written != configured and not (what == "learner" and learner == "foovb" and str(written).startswith(
+                "foovb-")):  # FOO-VB's summary names its family: "foovb-kronecker"
+            return f"summary.json's {what} is {written!r}, config.yaml's {configured!r}"
+    return None
 
 
 def _outputs_disagree(summary: Any, records: list[Any]) -> str | None:

@@ -193,6 +193,12 @@ class TrainingLoop:
         stage = min(bisect.bisect_left(self.ends, done), self.scenario.num_tasks - 1)
         record = {"iteration": done, "stage": stage, **self.evaluator(self.learner, self.scenario.task_aware),
                   "train_seconds": self.train_seconds}
+        nan_tasks = sorted({task + 1 for values in record.get("nll", {}).values()
+                            for task, value in enumerate(values) if math.isnan(value)})
+        if nan_tasks:  # finite weights whose logits overflow: chance-level accuracy that looks like a result
+            raise self._diverged(done, f"the model's outputs on the test set of task(s) {nan_tasks} are not finite "
+                                       "(a NaN log-likelihood: weights so large that the logits overflow)",
+                                 self._kept_checkpoint())
         self.records.append(record)
         if self.config.evaluation.histograms and hasattr(self.learner, "posterior_std"):
             self.stds[f"iteration_{done}"] = self.learner.posterior_std()

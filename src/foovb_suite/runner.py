@@ -43,6 +43,7 @@ from .factories import build_learner, build_scenario, resolve_device
 from .learners import Learner
 from .loading import load_learner_state, read_checkpoint
 from .loop import TrainingLoop
+from .metrics import ACCURACY_MODES
 from .outputs import write_outputs, write_text
 from .resume import RUN_FILE, check_config_unchanged, run_identity
 from .rundir import RunLock, make_directory, not_a_file
@@ -53,6 +54,11 @@ from .tensorboard_log import TensorBoardLog, require_tensorboard
 __all__ = ["RunResult", "run"]
 
 RunResult = dict[str, Any]
+
+
+# the files a run writes in its directory (besides checkpoint.pt, run.json, plots/ and tensorboard/)
+OUTPUT_FILES = ("config.yaml", "metrics.jsonl", "metrics.csv", "summary.json", "stds.npz",
+                *(f"accuracy_matrix_{mode}.csv" for mode in ACCURACY_MODES))
 
 
 def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
@@ -100,6 +106,13 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         kind = not_a_file(run_dir / "checkpoint.pt")
         raise FileNotFoundError(f"--resume: {run_dir / 'checkpoint.pt'} is {kind}, not a checkpoint file" if kind
                                 else f"--resume: no checkpoint at {run_dir / 'checkpoint.pt'}")
+    if not resume and not any((run_dir / name).exists() for name in (RUN_FILE, "checkpoint.pt", "summary.json")):
+        # not a run's directory (those hold one of these three): its files are the user's
+        taken = sorted(name for name in OUTPUT_FILES if (run_dir / name).exists())
+        if taken:  # (checked before the lock, whose file would be left there)
+            raise FileExistsError(f"{run_dir} holds {', '.join(taken)} but no run ({RUN_FILE}): a run there would "
+                                  f"overwrite {'it' if len(taken) == 1 else 'them'} (your own config.yaml?); choose "
+                                  "a new or empty directory with --out")
     with RunLock(run_dir) if main_process else contextlib.nullcontext() as lock:  # one writer per run directory
         return _run_locked(config, run_dir, scenario, learner, device, distributed_run, main_process, resume=resume,
                            progress=progress, stop_after=stop_after,
