@@ -81,6 +81,29 @@ def test_the_entry_point_is_the_guarded_command():
     assert project["project"]["scripts"]["foovb"] == "foovb_suite.command:main"
 
 
+def test_the_entry_points_import_loads_no_torch_and_a_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the command's first second (while torch loads) was a 46-line traceback from the entry point's
+    `import foovb_suite.command` (a helper's trial, session 50): that import now loads nothing heavy, and the load
+    happens inside main, which says so in one line."""
+    code = "import sys, foovb_suite.command, foovb_suite; print('torch' in sys.modules, foovb_suite.__version__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", foovb.__version__]
+    import builtins
+
+    import foovb_suite.command as command
+
+    real_import = builtins.__import__
+
+    def interrupted_import(name, *args, **kwargs):
+        if name == "cli":  # `from .cli import main`
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted_import)
+    assert command.main(["--help"]) == 130
+    assert capsys.readouterr().err == "foovb: interrupted while starting (nothing was run)\n"
+
+
 def test_the_wheel_declares_the_package_data_it_needs():
     """setuptools ships only what `package-data` names: the configs and the MNIST files must be among it, and
     the license file must exist (the wheel's metadata names it)."""

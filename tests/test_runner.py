@@ -385,6 +385,15 @@ def test_bad_learner_config_fails_before_anything_is_written(tmp_path, change, m
     assert not (tmp_path / "run").exists()
 
 
+def test_a_test_subset_above_the_test_set_is_refused_before_anything_is_written(tmp_path) -> None:
+    """evaluation.test_subset=100000 ran on the whole test set and recorded 100000 in the config (a helper's trial,
+    session 50), where a train_subset above the data is refused."""
+    with pytest.raises(ConfigError, match=r"evaluation.test_subset must be in \[1, 10000\] \(the smallest test "
+                                          r"set\), got 1000000"):
+        run(config_from_dict(quick(**{"evaluation.test_subset": 10**6})), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_directory_with_an_unfinished_run_is_not_reused_without_resume(tmp_path, capsys) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps(quick()))

@@ -12,8 +12,11 @@ SUITE_DEPENDENCIES = {"numpy": "numpy", "matplotlib": "matplotlib", "yaml": "PyY
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from .cli import main as run
-
+        try:
+            from .cli import main as run
+        except KeyboardInterrupt:  # Ctrl-C while torch and the suite load: nothing started, no traceback
+            print("foovb: interrupted while starting (nothing was run)", file=sys.stderr)
+            return 130
         return run(argv)
     except ModuleNotFoundError as error:
         top = (error.name or "").split(".")[0]

@@ -70,6 +70,7 @@ def _plot_curves(
     axes.set_title(title)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # tasks: 1, 2, 3 (not 1.2, 1.4, ...)
     axes.grid(alpha=0.3)
     many = len(validated) > 4
     # handles and labels given: legend() alone leaves out labels starting with "_" (a run directory "_old")

@@ -60,6 +60,7 @@ def make_baseline(name: str, model: nn.Module, **hyperparameters: Any) -> Baseli
     if unknown:
         raise ValueError(
             f"unknown hyper-parameter(s) {', '.join(unknown)} for baseline {name!r}; "
-            f"accepted: {', '.join(accepted)}"
+            f"accepted: {', '.join(accepted)} (after --set learner.kind=..., the config's learner.params "
+            f"stay: replace them too, e.g. --set \"learner.params={{{accepted[0]}: ...}}\")"
         )
     return learner_class(model, **hyperparameters)
