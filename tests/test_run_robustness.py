@@ -100,7 +100,8 @@ def test_a_second_run_on_a_live_directory_is_refused_with_the_holders_pid(config
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        for options in ((), ("learner.kind=sgd", "learner.params={lr: 0.01}")):
+        # --resume before the live run's first checkpoint said "no checkpoint at" (a helper's trial, session 50)
+        for options in ((), ("learner.kind=sgd", "learner.params={lr: 0.01}"), ("--resume",)):
             assert _cli_run(config_file, out, *options) == 2
             line = _one_error_line(capfd)
             assert f"{out} is in use by another foovb run (pid {holder.pid})" in line

@@ -185,6 +185,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def _in_use(run_dir: Path, holder: str) -> str:
+    return (f"{run_dir} is in use by another foovb run (pid {holder or 'unknown'}); wait for it to end, or choose "
+            "another directory (--out)")
+
+
 class RunLock:
     """One writer per run directory: an exclusive `fcntl.flock` on `<run_dir>/.foovb.lock`, held while the block
     runs and released by the operating system when the process ends, however it ends (no stale lock). The file
@@ -205,6 +210,27 @@ class RunLock:
         self.handle = self._acquire()
         return self
 
+    @staticmethod
+    def busy_message(run_dir: Path) -> str | None:
+        """RunDirectoryBusy's message if a live run holds `run_dir`'s lock, else None; creates nothing (for checks
+        made before the lock is taken, such as --resume's, so that they name the live run)."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return None
+        path = Path(run_dir) / ".foovb.lock"
+        try:
+            handle = open(path)  # noqa: SIM115 - closed below
+        except OSError:
+            return None
+        with handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _in_use(path.parent, handle.read().strip())
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+
     def _acquire(self) -> Any:
         """The open, flocked lock file at `self.path` with this pid in it; RunDirectoryBusy if another run has it."""
         import fcntl
@@ -218,10 +244,9 @@ class RunLock:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 handle.seek(0)
-                holder = handle.read().strip() or "unknown"
+                holder = handle.read().strip()
                 handle.close()
-                raise RunDirectoryBusy(f"{self.path.parent} is in use by another foovb run (pid {holder}); wait for "
-                                       "it to end, or choose another directory (--out)") from None
+                raise RunDirectoryBusy(_in_use(self.path.parent, holder)) from None
             try:
                 if self._is_locked_file(handle):  # not removed or replaced between open and flock: ours
                     handle.seek(0)

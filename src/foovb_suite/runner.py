@@ -46,7 +46,7 @@ from .loop import TrainingLoop
 from .metrics import ACCURACY_MODES
 from .outputs import write_outputs, write_text
 from .resume import RUN_FILE, check_config_unchanged, run_identity
-from .rundir import RunLock, make_directory, not_a_file
+from .rundir import RunDirectoryBusy, RunLock, make_directory, not_a_file
 from .scenarios.in_memory import data_digest
 from .signals import StderrWhileReadable, deferred_interrupt
 from .tensorboard_log import TensorBoardLog, require_tensorboard
@@ -106,6 +106,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
     # a bad learner config fails before anything is written, and before the run directory is looked at (its
     # error names the key, not "already holds a finished run")
     learner = build_learner(config, scenario, device)
+    if resume and (busy := RunLock.busy_message(run_dir)) is not None:  # before a first checkpoint too
+        raise RunDirectoryBusy(busy)
     if resume and not (run_dir / "checkpoint.pt").is_file():
         kind = not_a_file(run_dir / "checkpoint.pt")
         raise FileNotFoundError(f"--resume: {run_dir / 'checkpoint.pt'} is {kind}, not a checkpoint file" if kind
