@@ -23,7 +23,7 @@ from foovb import __version__
 
 from .config import ConfigError, config_from_dict, default_run_dir, load_config, protocol_of
 from .metrics import ACCURACY_MODES, average_accuracy, first_task_accuracy, validate_accuracy_matrix
-from .rundir import CheckpointError, send_to_devnull, write_atomically
+from .rundir import CheckpointError, make_directory, send_to_devnull, write_atomically
 
 __all__ = ["build_parser", "bundled_configs", "config_path", "main"]
 
@@ -204,7 +204,7 @@ def _compare(args: argparse.Namespace) -> int:
         print("foovb: warning: the runs differ in their protocol, so their accuracies do not compare:\n  "
               + "\n  ".join(differences), file=sys.stderr)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)  # a file in the way, or a full disk: one line naming it
     header = ["run", "learner", "scenario", "tasks", "iterations", "mc_samples", "mode", "average_accuracy",
               "first_task_accuracy", "forgetting", "train_minutes", "ms_per_iteration"]
     rows = []
@@ -290,7 +290,7 @@ def _plot(args: argparse.Namespace) -> int:
         average_curves[label], first_curves[label] = (tasks, average), (tasks, first)
         rows.append([label, str(path), matrix.shape[0], f"{average[-1]:.4f}", f"{first[-1]:.4f}"])
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)  # a file in the way, or a full disk: one line naming it
     _write_table(out, "plotted", ["label", "matrix", "tasks", "average_accuracy", "first_task_accuracy"], rows)
     plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
     plots.plot_first_task_accuracy(first_curves, out / "first_task_accuracy.png")
