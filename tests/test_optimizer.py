@@ -261,6 +261,14 @@ def test_step_sizes_in_param_groups_are_the_ones_used(family):
     opt.param_groups[0]["lr"] = -1.0
     with pytest.raises(ValueError, match="'lr'.*mean_step"):
         opt.step_batched(x, y)
+    opt.param_groups[0]["lr"] = 0.3
+    # a torch optimizer's key written in by hand was never read (a helper's trial, session 50); zero is harmless
+    opt.param_groups[0]["weight_decay"] = 0.0
+    opt.step_batched(x, y)
+    opt.param_groups[0]["weight_decay"] = 1e-4
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['weight_decay'\] = 0.0001, but FOOVB has no "
+                                         r"weight_decay: the prior regularises"):
+        opt.step_batched(x, y)
     with pytest.raises(ValueError, match="parameter groups cannot be added"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 

@@ -111,7 +111,7 @@ from torch import Tensor
 
 from .posteriors import AT_REFRESH, CALIBRATED, FAMILIES, PosteriorBlock
 from .priors import AUTO, XAVIER
-from .validation import is_boolean, is_integer, is_real
+from .validation import TORCH_ARGUMENTS, is_boolean, is_integer, is_real
 
 __all__ = ["FAMILY_ONLY", "POSTERIORS", "FIXED", "LEGACY_FIXED", "PRESETS", "check_batch_size", "check_param_group",
            "check_block_state", "check_state_dict", "check_step_sizes", "resolve", "validate"]
@@ -377,7 +377,11 @@ def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
 
 def check_param_group(group: dict, fixed: dict) -> None:
     """The hyperparameters a step reads: step sizes valid (made Python floats), the `fixed` ones unchanged
-    since construction."""
+    since construction, and no torch optimizer's weight_decay, momentum or betas written in (silently unused)."""
+    for key in ("weight_decay", "momentum", "betas"):  # a torch optimizer's, written in by hand: never read here
+        if group.get(key):
+            raise ValueError(f"param_groups[0][{key!r}] = {group[key]!r}, but FOOVB has no {key}: "
+                             f"{TORCH_ARGUMENTS[key]}")
     for key, value in fixed.items():
         if group[key] != value:
             raise ValueError(f"param_groups[0][{key!r}] was changed from {value!r} to {group[key]!r}; it is "
