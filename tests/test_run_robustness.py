@@ -5,6 +5,7 @@ apart, a full disk named, and every user-caused failure of the CLI one `foovb: e
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -354,6 +355,21 @@ def _start(out, stop_after: int = 3, **changes) -> None:
 
 def _snapshot(run_dir) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(run_dir.iterdir()) if path.is_file()}
+
+
+def test_a_deleted_run_json_is_named_with_how_to_restore_it(config_file, tmp_path, capfd):
+    """run.json deleted in the run's own directory: the refusal said the checkpoint "was copied from another run
+    directory" (a helper's trial, session 50); it names both cases and the file to restore, which resumes."""
+    out = tmp_path / "r"
+    _start(out)
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    (out / "run.json").unlink()
+    assert _cli_run(config_file, out, "--resume") == 2
+    line = _one_error_line(capfd)
+    assert f"belongs to run {run_id}, and this directory has no run.json. If this is that run's own directory" in line
+    assert f'run.json holding {{"run_id": "{run_id}"}}' in line
+    (out / "run.json").write_text(json.dumps({"run_id": run_id}))
+    assert _cli_run(config_file, out, "--resume") == 0
 
 
 def test_a_checkpoint_records_its_run_and_the_config_it_computes_with(interrupted):

@@ -78,9 +78,15 @@ def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | N
               f"that it belongs to this directory is not verified", file=sys.stderr)
         return recorded or secrets.token_hex(8)
     if run["id"] != recorded:
-        here = f"this directory's {RUN_FILE} says {recorded}" if recorded else f"this directory has no {RUN_FILE}"
-        raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; {here}): it "
-                              f"was copied from another run directory; {advice}")
+        if recorded is None:  # run.json deleted here, or a checkpoint copied into a directory that never had one
+            raise CheckpointError(
+                f"--resume: {checkpoint_path} belongs to run {run['id']}, and this directory has no {RUN_FILE}. If "
+                f"this is that run's own directory (its {RUN_FILE} was deleted), restore it: {RUN_FILE} holding "
+                f'{{"run_id": "{run["id"]}"}}; if the checkpoint was copied here from another run directory, '
+                f"{advice}")
+        raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; this "
+                              f"directory's {RUN_FILE} says {recorded}): it was copied from another run directory; "
+                              f"{advice}")
     saved, here = _flatten(_with_defaults(run["config"])), _flatten(computed)
     changed = sorted(key for key in saved.keys() | here.keys() if saved.get(key) != here.get(key))
     if changed:
