@@ -243,8 +243,9 @@ class DiagonalBlock(PosteriorBlock):
         """(sum_k (sigma eps_k) . (g_k - E[g]), sum_k (g_k - E[g])^2 elementwise) from the step's sums: on a quadratic
         g_k - E[g] = H sigma eps_k, so the first is sum_k (sigma eps_k)^T H (sigma eps_k)."""
         grad_mean = stats["grad_sum"] / num_samples
-        curvature = (self.state["std"] * (stats["grad_noise_sum"] - stats["noise_sum"] * grad_mean)).sum()
-        spread = (stats["grad_square_sum"] - num_samples * grad_mean.square()).clamp_min_(0)
+        centred = torch.addcmul(stats["grad_noise_sum"], stats["noise_sum"], grad_mean, value=-1)  # one pass each
+        curvature = torch.linalg.vecdot(self.state["std"].flatten(), centred.flatten())
+        spread = torch.addcmul(stats["grad_square_sum"], grad_mean, grad_mean, value=-num_samples).clamp_min_(0)
         return curvature, spread
 
     def damping(self, curvature: Tensor, spread: Tensor, mean_step: float) -> Tensor:
