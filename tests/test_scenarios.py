@@ -643,3 +643,8 @@ def test_continuous_tasks_mix_on_the_continuous_schedule_drawing_from_each_task(
     assert ((counts > 0).sum(1) == 2).any()  # mixing happens
     with pytest.raises(ValueError, match="batch_size 13 exceeds the 12 training examples of a task"):
         ContinuousTasks(tasks, iterations_per_task=30, batch_size=13)
+    # one after another too: an epoch was silently one batch of the whole task (a helper's trial, session 50)
+    with pytest.raises(ValueError, match=r"batch_size 13 exceeds the 12 training examples of a task \(an epoch would "
+                                         r"be one batch of the whole task\): pass at most 12"):
+        DiscreteTasks(tasks, epochs_per_task=1, batch_size=13)
+    assert DiscreteTasks(tasks, epochs_per_task=1, batch_size=12).batches_per_epoch == (4, 1, 2)  # 40, 12, 20

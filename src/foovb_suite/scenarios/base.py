@@ -158,6 +158,9 @@ class _SequentialTaskStream(ABC):
     def __init__(self, train_sizes: Sequence[int], epochs_per_task: int, batch_size: int, seed: int) -> None:
         _check_positive(epochs_per_task=epochs_per_task, batch_size=batch_size, num_tasks=len(train_sizes))
         _check_seed(seed)
+        if batch_size > min(train_sizes):  # it would silently be one batch of the whole task per epoch
+            raise ValueError(f"batch_size {batch_size} exceeds the {min(train_sizes)} training examples of a task "
+                             f"(an epoch would be one batch of the whole task): pass at most {min(train_sizes)}")
         self.train_sizes = tuple(train_sizes)
         self.epochs_per_task = epochs_per_task
         self.batch_size = batch_size
