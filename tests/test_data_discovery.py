@@ -126,3 +126,19 @@ def test_the_shared_fashion_mnist_is_found_by_naming_its_parent() -> None:
     assert dataset.train_images.shape == (60000, 1, 28, 28) and dataset.test_images.shape == (10000, 1, 28, 28)
     assert torch.bincount(dataset.train_labels).tolist() == [6000] * 10
     assert torch.bincount(dataset.test_labels).tolist() == [1000] * 10
+
+
+@pytest.mark.parametrize("folder", ["fashion-mnist", "my_copy"])
+def test_a_data_dir_that_is_the_datasets_own_folder_names_its_parent(tmp_path, monkeypatch, folder):
+    """scenario.data_dir naming the dataset's folder itself listed every missing file and a download (a helper's
+    trial, session 50); it now says to name the folder that holds it."""
+    source = dataclasses.replace(datasets_module._source("fashion_mnist"), system_dirs=())  # not this machine's copy
+    monkeypatch.setattr(datasets_module, "_source", lambda name: source)
+    own = tmp_path / folder
+    own.mkdir()
+    for relative in source.required_files:
+        (own / relative).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=f"scenario.data_dir \\({own}\\) .*name the folder that holds it.*"
+                                                f"{tmp_path}") as error:
+        load_dataset("fashion_mnist", own)
+    assert "download" not in str(error.value)
