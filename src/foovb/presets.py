@@ -378,8 +378,8 @@ def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
 def check_param_group(group: dict, fixed: dict) -> None:
     """The hyperparameters a step reads: step sizes valid (made Python floats), the `fixed` ones unchanged
     since construction, and no torch optimizer's weight_decay, momentum or betas written in (silently unused)."""
-    for key in ("weight_decay", "momentum", "betas"):  # a torch optimizer's, written in by hand: never read here
-        if group.get(key):
+    for key in TORCH_ARGUMENTS:  # a torch optimizer's, written in by hand: never read here ('lr' is eta)
+        if key != "lr" and group.get(key):
             raise ValueError(f"param_groups[0][{key!r}] = {group[key]!r}, but FOOVB has no {key}: "
                              f"{TORCH_ARGUMENTS[key]}")
     for key, value in fixed.items():

@@ -99,10 +99,11 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         raise
     except ValueError as error:  # the data files or the scenario's settings (e.g. a train_subset above the data)
         raise ConfigError(f"scenario: {error}") from error
-    smallest = min(len(scenario.test_set(task)[1]) for task in range(scenario.num_tasks))
-    if (config.evaluation.test_subset or 0) > smallest:  # x[:n] would take them all, and the config say n
-        raise ConfigError(f"evaluation.test_subset must be in [1, {smallest}] (the smallest test set), got "
-                          f"{config.evaluation.test_subset}")
+    if config.evaluation.test_subset is not None:  # x[:n] would take them all, and the config say n
+        smallest = min(len(scenario.test_set(task)[1]) for task in range(scenario.num_tasks))
+        if config.evaluation.test_subset > smallest:
+            raise ConfigError(f"evaluation.test_subset must be in [1, {smallest}] (the smallest test set), got "
+                              f"{config.evaluation.test_subset}")
     # a bad learner config fails before anything is written, and before the run directory is looked at (its
     # error names the key, not "already holds a finished run")
     learner = build_learner(config, scenario, device)

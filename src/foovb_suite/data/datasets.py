@@ -239,6 +239,11 @@ def _dataset_folder(name: str, data_dir: str | Path | None) -> Path:
     for folder, files in missing.items():
         if not files:
             return folder
+    if data_dir is not None and not _missing_files(source, Path(data_dir)):  # the dataset's own folder was named
+        folder = Path(data_dir)
+        move = "" if folder.name in source.subdirs else f", with the files in {source.subdirs[0]}/ there (or a link)"
+        raise FileNotFoundError(f"dataset {name!r}: scenario.data_dir ({data_dir}) holds the dataset's files itself; "
+                                f"name the folder that holds it: {folder.parent}{move}")
     partial = [folder for folder, files in missing.items() if len(files) < len(source.required_files)]
     target = partial[0] if partial else (next(iter(missing)) if data_dir is not None
                                          else Path("DATA_DIR") / source.subdirs[0])
@@ -246,13 +251,6 @@ def _dataset_folder(name: str, data_dir: str | Path | None) -> Path:
     fetch = (f"Run foovb_suite.data.download_dataset({name!r}, {str(data_dir)!r}) on a machine with internet access, "
              "or by hand:" if data_dir is not None else "Name a data directory (scenario.data_dir), and put there:")
     where = f"{target} is incomplete; missing files" if partial else "missing files (where the first place wants them)"
-    if data_dir is not None and not _missing_files(source, Path(data_dir)):  # the dataset's own folder was named
-        raise FileNotFoundError(
-            f"dataset {name!r}: scenario.data_dir ({data_dir}) holds the dataset's files themselves; name the folder "
-            f"that holds it, {Path(data_dir).parent}, and put the files in {source.subdirs[0]}/ there (or link it)"
-            if Path(data_dir).name not in source.subdirs else
-            f"dataset {name!r}: scenario.data_dir ({data_dir}) is the dataset's own folder; name the folder that "
-            f"holds it: {Path(data_dir).parent}")
     message = (
         f"dataset {name!r} was not found; looked in:\n{looked}\n{where}:\n"
         + "\n".join(f"  {path}" for path in missing.get(target) or _missing_files(source, target))
