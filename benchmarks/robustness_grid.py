@@ -364,8 +364,10 @@ def load_results(path: Path) -> list[dict]:
     return records
 
 
-def cell_summary(records: list[dict], cell: str, tag: str) -> dict | None:
-    """Seed-averaged metrics of the cell's FOO-VB learners (of `tag`) against the best SGD and Adam."""
+def cell_summary(records: list[dict], cell: str, tag: str, tried: dict | None = None) -> dict | None:
+    """Seed-averaged metrics of the cell's FOO-VB learners (of `tag`) against the best SGD and Adam, and against the
+    best FOO-VB setting tried in the cell: `tried` maps a cell to (family, setting, average) of other runs."""
+    tried = tried or {}
     mine = [r for r in records if r["cell"] == cell]
     if not mine:
         return None
@@ -422,6 +424,24 @@ def cell_summary(records: list[dict], cell: str, tag: str) -> dict | None:
         else:
             row[f"{family}_average_vs_best"] = s["average"] - best_average  # points
             row[f"{family}_first_vs_best"] = s["first"] - best_first
+    # the best FOO-VB setting tried in this cell: any tag in the records run on as many seeds as `tag`'s runs (and
+    # the `tried` rows of earlier summaries), of either family (`best_foovb_*`) and of the family itself
+    seeds = max((s["seeds"] for family in ("diagonal", "kronecker")
+                 if (s := stats(f"foovb_{family}", tag)) is not None), default=0)
+    settings = [(learner.removeprefix("foovb_"), f"{learner}:{learner_tag}", s["average"])
+                for learner, learner_tag in sorted({(r["learner"], r["tag"]) for r in mine
+                                                    if r["learner"].startswith("foovb_")})
+                if (s := stats(learner, learner_tag)) is not None and s["seeds"] == seeds and not s["diverged"]]
+    settings = list({setting: (family, setting, average)
+                     for family, setting, average in settings + tried.get(cell, [])}.values())  # each setting once
+    if settings and not error:
+        _, row["best_foovb_setting"], row["best_foovb_average"] = max(settings, key=lambda item: item[2])
+        for family in ("diagonal", "kronecker"):
+            own = [average for setting_family, _, average in settings if setting_family == family]
+            if f"{family}_average" in row and own:
+                row[f"{family}_average_vs_best_foovb"] = row[f"{family}_average"] - row["best_foovb_average"]
+                row[f"{family}_average_vs_own_best"] = row[f"{family}_average"] - max(own)
+                row[f"{family}_settings_tried"] = len(own)
     return row
 
 
@@ -441,6 +461,12 @@ def targets(rows: list[dict], family: str) -> list[str]:
     error_rows = [r for r in rows if r["metric"] == "mse"]
     high = [r["cell"] for r in error_rows if not r[f"{family}_average_vs_best"] <= 1.5]
     median = statistics.median([r[f"{family}_average_vs_best"] for r in accuracy_rows]) if accuracy_rows else math.nan
+    versus_tried = [r for r in accuracy_rows if f"{family}_average_vs_best_foovb" in r]
+
+    def median_of(column: str) -> float:
+        return statistics.median([r[column] for r in versus_tried])
+
+    settings = sorted({r[f"{family}_settings_tried"] for r in versus_tried})
     return [
         f"{family}: {len(rows)} cells; diverged in {len(diverged)} {diverged if diverged else ''}",
         f"  first task >= 10 points above the best baseline in {len(kept)}/{len(drift)} drift cells "
@@ -452,11 +478,34 @@ def targets(rows: list[dict], family: str) -> list[str]:
         f"  average more than 2 points below the best baseline: {len(low)}/{len(accuracy_rows)} {low if low else ''}",
         f"  error above 1.5x the best baseline's: {len(high)}/{len(error_rows)} {high if high else ''}",
         f"  median average vs best baseline (accuracy cells): {median:+.2f} points",
+        *([f"  median average vs the best FOO-VB setting tried in the cell (accuracy cells; target >= -2 points): "
+           f"{median_of(f'{family}_average_vs_best_foovb'):+.2f} points against either family's settings tried "
+           f"(OUT/results.jsonl, --tried), {median_of(f'{family}_average_vs_own_best'):+.2f} against this family's "
+           f"({settings[0]}-{settings[-1]} settings)"] if versus_tried else []),
     ]
 
 
-def write_summary(out: Path, records: list[dict], cells: list[str], tag: str) -> list[dict]:
-    rows = [row for cell in cells if (row := cell_summary(records, cell, tag)) is not None]
+def tried_in_summaries(paths: list[Path], records: list[dict], tag: str) -> dict:
+    """(family, setting, average) per accuracy cell from the summary CSVs of earlier candidates (`--tried`): only
+    their cells whose best baseline average equals this run's, the sign of the same cells, seeds and examples."""
+    baseline = {cell: row["best_baseline_average"] for cell in {r["cell"] for r in records}
+                if (row := cell_summary(records, cell, tag)) is not None and row["metric"] == "accuracy"}
+    tried: dict[str, list] = {}
+    for path in paths:
+        for row in csv.DictReader(path.open()):
+            cell = row["cell"]
+            if cell not in baseline or not math.isclose(float(row["best_baseline_average"]), baseline[cell],
+                                                        rel_tol=1e-3):
+                continue
+            for family in ("diagonal", "kronecker"):
+                if row.get(f"{family}_average") and row.get(f"{family}_diverged") == "False":
+                    setting = f"foovb_{family}:{path.stem.removeprefix('summary_')}"
+                    tried.setdefault(cell, []).append((family, setting, float(row[f"{family}_average"])))
+    return tried
+
+
+def write_summary(out: Path, records: list[dict], cells: list[str], tag: str, tried: dict) -> list[dict]:
+    rows = [row for cell in cells if (row := cell_summary(records, cell, tag, tried)) is not None]
     if not rows:
         return rows
     fields = sorted({key for row in rows for key in row}, key=lambda k: (k != "cell", k))
@@ -527,6 +576,9 @@ def main() -> None:
                         help="JSON keyword arguments of FOOVB(model) (learner foovb_kronecker)")
     parser.add_argument("--learners", default=None, help="comma-separated subset of: " + ", ".join(learner_names()))
     parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--tried", nargs="*", default=[], type=Path,
+                        help="summary CSVs of earlier candidates (same cells, seeds, examples): FOO-VB settings tried "
+                             "besides those in OUT/results.jsonl, for the target against the best setting tried")
     parser.add_argument("--data-dir", default=None, help="the folder holding fashion_mnist/ (or fashion-mnist/)")
     args = parser.parse_args()
     try:
@@ -577,7 +629,7 @@ def main() -> None:
                 os.fsync(file.fileno())
                 records.append(record)
     subset = [r for r in records if r["examples"] == examples and r["seed"] in seeds]
-    rows = write_summary(out, subset, cells, args.tag)
+    rows = write_summary(out, subset, cells, args.tag, tried_in_summaries(args.tried, subset, args.tag))
     for half in ("tuning", "heldout"):
         half_rows = [r for r in rows if r["half"] == half]
         if half_rows:

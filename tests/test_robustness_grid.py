@@ -91,3 +91,45 @@ def test_the_targets_say_where_the_retention_target_is_out_of_reach():
     rows = [grid.cell_summary(records, cell, "x") for cell in ("mlp/permuted/16", "mlp/split/16")]
     assert all("best_first_learned" not in row for row in rows)
     assert not any("reachable" in line for line in grid.targets(rows, "kronecker"))
+
+
+def test_the_targets_compare_with_the_best_foovb_setting_tried_in_the_cell():
+    def record(learner, tag, tasks, seed=0, diverged=False):
+        return {"cell": "mlp/permuted/16", "learner": learner, "tag": tag, "seed": seed, "examples": 1,
+                "error_metric": False, "diverged": diverged, "tasks": tasks}
+
+    records = [record(f"{kind}_{lr:g}", "baseline", [50.0, 50.0, 50.0])
+               for kind, lrs in (("sgd", grid.SGD_LRS), ("adam", grid.ADAM_LRS)) for lr in lrs]
+    records += [record("foovb_kronecker", "default", [70.0, 70.0, 70.0]),
+                record("foovb_diagonal", "default", [60.0, 60.0, 60.0]),
+                record("foovb_kronecker", "wider", [75.0, 75.0, 75.0]),  # the best setting tried
+                record("foovb_diagonal", "other", [64.0, 64.0, 64.0]),
+                record("foovb_kronecker", "one_seed_more", [99.0] * 3), record("foovb_kronecker", "one_seed_more",
+                                                                              [99.0] * 3, seed=1),
+                record("foovb_diagonal", "broke", [100.0] * 3, diverged=True)]
+    row = grid.cell_summary(records, "mlp/permuted/16", "default")
+    # runs on other seeds than the default's and diverged runs are not settings to compare with
+    assert row["best_foovb_setting"] == "foovb_kronecker:wider" and row["best_foovb_average"] == 75.0
+    assert row["kronecker_average_vs_best_foovb"] == -5.0 and row["kronecker_average_vs_own_best"] == -5.0
+    assert row["diagonal_average_vs_best_foovb"] == -15.0 and row["diagonal_average_vs_own_best"] == -4.0
+    assert row["diagonal_settings_tried"] == 2
+    line = next(line for line in grid.targets([row], "diagonal") if "setting tried" in line)
+    assert "-15.00 points against either family" in line and "-4.00 against this family's (2-2 settings)" in line
+
+
+def test_settings_tried_in_earlier_summaries_count_only_on_the_same_protocol(tmp_path):
+    def record(learner, tag, tasks):
+        return {"cell": "mlp/permuted/16", "learner": learner, "tag": tag, "seed": 0, "examples": 1,
+                "error_metric": False, "diverged": False, "tasks": tasks}
+
+    records = [record(f"{kind}_{lr:g}", "baseline", [50.0, 50.0, 50.0])
+               for kind, lrs in (("sgd", grid.SGD_LRS), ("adam", grid.ADAM_LRS)) for lr in lrs]
+    records.append(record("foovb_kronecker", "default", [70.0, 70.0, 70.0]))
+    same, other = tmp_path / "summary_same.csv", tmp_path / "summary_other.csv"
+    header = "cell,best_baseline_average,kronecker_average,kronecker_diverged\n"
+    same.write_text(header + "mlp/permuted/16,50,74,False\n")
+    other.write_text(header + "mlp/permuted/16,61,90,False\n")  # other baselines: other seeds or examples
+    tried = grid.tried_in_summaries([same, other], records, "default")
+    assert tried == {"mlp/permuted/16": [("kronecker", "foovb_kronecker:same", 74.0)]}
+    row = grid.cell_summary(records, "mlp/permuted/16", "default", tried)
+    assert row["kronecker_average_vs_own_best"] == -4.0 and row["kronecker_settings_tried"] == 2
