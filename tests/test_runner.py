@@ -770,6 +770,21 @@ def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monke
     assert main(["plot", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "p5")]) == 2
 
 
+def test_plot_refuses_a_matrix_copied_into_another_runs_directory(finished_run, tmp_path, capsys) -> None:
+    run_dir, _ = finished_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    assert main(["plot", str(copy / "accuracy_matrix_mean.csv"), "--out", str(tmp_path / "p0")]) == 0  # its own
+    capsys.readouterr()
+    (copy / "accuracy_matrix_mean.csv").write_text("0.9,0.1\n0.8,0.95\n")  # another run's, the name kept
+    assert main(["plot", str(copy / "accuracy_matrix_mean.csv"), "--out", str(tmp_path / "p")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "copied from another run?" in error[0] and "summary.json" in error[0]
+    assert not (tmp_path / "p").exists()
+    (copy / "summary.json").unlink()  # an unfinished run's directory, or a folder of saved matrices: not checked
+    assert main(["plot", str(copy / "accuracy_matrix_mean.csv"), "--out", str(tmp_path / "p")]) == 0
+
+
 @pytest.mark.parametrize(("content", "says"), [
     ("iteration,task,loss\n10,0,0.5\n", "not an accuracy matrix, which holds numbers only"),  # metrics.csv
     (",0,1\n0,0.9,0.1\n1,0.8,0.9\n", "not an accuracy matrix, which holds numbers only"),  # pandas' to_csv

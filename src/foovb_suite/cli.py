@@ -247,6 +247,25 @@ def _matrix_label(path: Path) -> str:
     return path.stem.removesuffix("_accuracy_matrix_mean")
 
 
+def _matrix_disagrees(path: Path, average: float, first: float) -> str | None:
+    """Why a run directory's `accuracy_matrix_<mode>.csv` is not that run's (copied from another run: its final
+    average or first task differs from the directory's summary.json for that mode), or None; a matrix outside a
+    finished run's directory is not checked."""
+    if not path.stem.startswith("accuracy_matrix_"):
+        return None
+    mode = path.stem.removeprefix("accuracy_matrix_")
+    try:
+        entry = json.loads((path.parent / "summary.json").read_text())["modes"][mode]
+        written = float(entry["average_accuracy"]), float(entry["first_task_accuracy"])
+    except (OSError, ValueError, KeyError, TypeError):  # no summary.json beside it, or not this mode's
+        return None
+    if not np.allclose([average, first], written, rtol=0, atol=1e-5, equal_nan=True):
+        return (f"its final average and first task ({average:.4f}, {first:.4f}) are not those of the run in "
+                f"{path.parent} ({written[0]:.4f}, {written[1]:.4f} in summary.json, mode {mode}): copied from "
+                "another run? Plot the run's own matrix, or a copy outside the run directory")
+    return None
+
+
 def _plot(args: argparse.Namespace) -> int:
     """Average-accuracy and first-task plots, and a table of their final values, from saved accuracy matrices
     (`accuracy_matrix_<mode>.csv` of a run: one row per task end, one column per task)."""
@@ -287,6 +306,10 @@ def _plot(args: argparse.Namespace) -> int:
             return 2
         tasks = np.arange(1, matrix.shape[0] + 1)
         average, first = average_accuracy(matrix), first_task_accuracy(matrix)
+        problem = _matrix_disagrees(path, average[-1], first[-1])
+        if problem is not None:
+            print(f"foovb: error: {path}: {problem}", file=sys.stderr)
+            return 2
         average_curves[label], first_curves[label] = (tasks, average), (tasks, first)
         rows.append([label, str(path), matrix.shape[0], f"{average[-1]:.4f}", f"{first[-1]:.4f}"])
     out = Path(args.out)
