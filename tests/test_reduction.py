@@ -534,3 +534,40 @@ def test_an_unreadable_loss_names_the_summed_reduction_too():
     with pytest.raises(ValueError, match=r"ClampBackward.*batch_size=8\) if the loss is a mean.*"
                                          r"loss_reduction='sum'\) if it is the batch's summed"):
         FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y).clamp(max=50)))
+
+
+def test_a_masked_mean_is_named_and_its_count_gives_the_summed_steps():
+    """(losses * mask).sum() / mask.sum(): a sum over every term divided by the count of those kept. Its advice was
+    loss_reduction='sum' (a likelihood mask.sum() times too weak); the count is the fix."""
+    mask = torch.tensor([1.0, 1, 1, 0, 1, 0, 1, 1])  # 6 of the 8 rows count
+
+    def masked(out, y):
+        return (F.cross_entropy(out, y, reduction="none") * mask).sum() / mask.sum()
+
+    model = mlp()
+    with pytest.raises(ValueError, match=r"0\.166667 times a sum over 8 terms\. Whether.*the third, for a mean over 6 "
+                                         r"of the values summed \(a masked mean, \.sum\(\) / mask\.sum\(\)\).*"
+                                         r"batch_size=6\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, masked))
+    tokens = mask.reshape(2, 4)  # per-token losses of 2 rows of 4 tokens: the sum runs over 2 rows, the count is 6
+    with pytest.raises(ValueError, match=r"a mean over 6 of the values summed"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: (
+            F.cross_entropy(out, y, reduction="none").reshape(2, 4) * tokens).sum() / tokens.sum()))
+    snapshots = []
+    for loss_fn, batch_size in ((lambda out, y: (F.cross_entropy(out, y, reduction="none") * mask).sum(), None),
+                                (masked, int(mask.sum()))):
+        model = mlp()
+        opt = FOOVB(model, "diagonal", 4, seed=3, loss_reduction="sum" if batch_size is None else "auto")
+        opt.step(closure_of(model, loss_fn), batch_size=batch_size)
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_scaled_by_a_power_of_two_names_the_grad_scaler():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"65536 times a mean over 8 terms\. A loss scaled by torch\.amp\.GradScaler"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * 65536.0))
+    with pytest.raises(ValueError, match=r"1000 times a mean over 8 terms\. Whether") as error:  # not a power of 2
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * 1000.0))
+    assert "GradScaler" not in str(error.value)

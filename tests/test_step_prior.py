@@ -246,3 +246,60 @@ def test_the_output_layer_and_wide_matrix_layers_take_the_algorithms_step(family
     widest = FOOVB(nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH - 1, 8), nn.Linear(8, 3)), "auto", step_prior=4)
     assert widest.blocks[0].family == "kronecker" and widest.blocks[0].mean_step_priors()
     assert FOOVB(nn.Linear(4, 2), family, step_prior=4).blocks[0].mean_step_priors() == ()  # only an output layer
+
+
+class HeadFirst(nn.Module):
+    """The output layer registered before the body: the last registered layer is the body's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 3)
+        self.body = nn.Sequential(nn.Linear(10, 6), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize(("family", "settings"), [("diagonal", {}), ("auto", {}),
+                                                   ("auto", {"step_prior": 1})])  # the diagonal output factor
+def test_an_output_layer_registered_before_the_body_is_named_at_the_first_step(family, settings, recwarn):
+    x, y = data()
+    torch.manual_seed(0)
+    model = HeadFirst()
+    optimizer = FOOVB(model, family, seed=0, **settings)
+    with pytest.warns(UserWarning, match=r"called 'head' last.*registered with trainable parameters, 'body\.0'.*"
+                                         r"`layer = model\.head; del model\.head; model\.head = layer`"):
+        optimizer.step(ce_closure(model, x, y))
+    recwarn.clear()
+    optimizer.step(ce_closure(model, x, y))
+    assert not [w for w in recwarn if "called" in str(w.message)]  # once
+    layer = model.head
+    del model.head
+    model.head = layer  # moved last, as the warning says: no warning
+    FOOVB(model, family, seed=0, **settings).step(ce_closure(model, x, y))
+    assert not [w for w in recwarn if "called" in str(w.message)]
+
+
+def test_no_warning_where_no_setting_treats_the_output_layer_apart(recwarn):
+    x, y = data()
+    torch.manual_seed(0)
+    model = HeadFirst()
+    FOOVB(model, "diagonal", seed=0, step_prior=1).step(ce_closure(model, x, y))
+    assert not [w for w in recwarn if "called" in str(w.message)]
+
+
+def test_a_layer_recomputed_in_backward_is_not_taken_for_the_last_one_called(recwarn):
+    """Activation checkpointing runs the checkpointed layers again inside backward()."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = data()
+    model = net()
+
+    def closure():
+        hidden = checkpoint(model[0], x, use_reentrant=False)
+        loss = torch.nn.functional.cross_entropy(model[2](model[1](hidden)), y, reduction="sum")
+        loss.backward()
+        return loss
+
+    FOOVB(model, seed=0).step(closure)
+    assert not [w for w in recwarn if "called" in str(w.message)]

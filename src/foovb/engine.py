@@ -194,6 +194,8 @@ class Step:
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
     recheck: Callable[[], Tensor] | None = None  # the step's closure, for secant_check (None: sampled_params blocks)
+    watch_layers: bool = False  # follow which block's module the model calls last: `last_layer`
+    last_layer: nn.Module | None = None
 
     @functools.cached_property
     def all_params(self) -> list[Tensor]:
@@ -232,7 +234,10 @@ class Step:
             p.grad = None
         self.running.restore()
         sample = Sample(k)
-        spy = LossSpy(self.model) if self.grad_scale is None or not reports_loss else contextlib.nullcontext()
+        watched = {id(block.module): block.module for block in self.all_blocks
+                   if self.watch_layers and block.module is not None}
+        spy = (LossSpy(self.model, watched) if self.grad_scale is None or not reports_loss else
+               contextlib.nullcontext())
         linear_kronecker = self.linear_kronecker
         capture = LinearCapture(linear_kronecker, deferred or {}, self.factored_inputs) if linear_kronecker else None
         try:
@@ -241,6 +246,8 @@ class Step:
             if deferred:
                 capture.check_seen(sample.loss, params)
             check_gradients(self.all_blocks, layouts=not self.count)
+            if isinstance(spy, LossSpy) and spy.last_watched is not None:
+                self.last_layer = spy.last_watched
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once
                 self.grad_scale = spy.scale(self.loss_reduction, self.batch_size)
                 self.loss_rows = self.grad_scale if spy.reads_a_mean(self.loss_reduction, self.batch_size) else 0.0

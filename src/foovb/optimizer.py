@@ -47,7 +47,7 @@ from .engine import (
     stacking_is_slower,
 )
 from .persistence import Persistence
-from .posteriors import PosteriorBlock, PosteriorView
+from .posteriors import KroneckerBlock, PosteriorBlock, PosteriorView, output_layer_blocks
 from .precision import drop_autocast_cache, full_precision
 from .presets import (
     FIXED,
@@ -386,8 +386,31 @@ class FOOVB(Persistence):
         blocks = trainable_blocks(self.blocks)
         self._pending = Step(self._next_seed(), blocks, self.blocks, self.model, self.antithetic, self.loss_reduction,
                              {block: block.new_statistics() for block in blocks}, RunningStatistics(self.model),
-                             batch_size)
+                             batch_size, watch_layers=self.steps_taken == 0 and self._output_layer_matters())
         return self._pending
+
+    def _output_layer_matters(self) -> bool:
+        """Whether a setting treats the output layer apart: step_prior (every other layer's mean step widened) or
+        diagonal_output_factor on a matrix-variate output layer."""
+        return self.step_prior > 1 or (self.diagonal_output_factor and any(
+            isinstance(block, KroneckerBlock) for block in output_layer_blocks(self.blocks)))
+
+    def _check_output_layer(self, last_layer: nn.Module | None) -> None:
+        """Warn where the layer the model called last in the first step is not the one taken as the output layer
+        (the last registered with trainable parameters, `posteriors.output_layer_blocks`): a head defined before
+        the body got the step prior's wider steps, and the body's last layer none."""
+        taken = output_layer_blocks(self.blocks)
+        if last_layer is None or not taken or any(block.module is last_layer for block in taken):
+            return
+        names = {id(module): name for name, module in self.model.named_modules()}
+        ran, registered = names.get(id(last_layer), "?"), names.get(id(taken[0].module), "?")
+        move = (f" (`layer = model.{ran}; del model.{ran}; model.{ran} = layer` moves it last)"
+                if all(part.isidentifier() for part in ran.split(".")) else "")
+        warnings.warn(
+            f"FOOVB: the model called {ran!r} last, but the output layer that FOOVB treats apart (no step_prior "
+            f"widening; the diagonal output factor) is the last layer registered with trainable parameters, "
+            f"{registered!r}. If {ran!r} computes the outputs, register it last{move} and build FOOVB again: wider "
+            "steps on the output layer cost retention (docs/api.md)", stacklevel=4)
 
     def _adopt_model_weights(self) -> None:
         """Values written into the parameters since the last step become the mean (not a loaded sample)."""
@@ -421,6 +444,8 @@ class FOOVB(Persistence):
                 raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
             raise
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
+        if pending.watch_layers:
+            self._check_output_layer(pending.last_layer)
         self.load_mean_into_model()
         self.steps_taken += 1
         self._progress.uncalibrated = None

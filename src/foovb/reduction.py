@@ -221,10 +221,17 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         whole = terms / factor if kind == "mean" else 1 / factor
         batch = (f"step(closure, batch_size={whole:g})" if kind == "mean" and float(whole).is_integer() and whole >= 1
                  else "drop it from the loss (FOO-VB needs the batch's own likelihood)")
+        counted = 1 / factor  # a .sum() divided by a count of its terms: a mean over those (a masked mean)
+        masked = (f"; the third, for a mean over {counted:g} of the values summed (a masked mean, .sum() / "
+                  f"mask.sum()): give that count at every step, step(closure, batch_size={counted:g})"
+                  if kind == "sum" and math.isclose(counted, round(counted)) and round(counted) > 1 else "")
+        scaler = (f"A loss scaled by torch.amp.GradScaler (its scales are powers of 2, {2 ** 16} at the start)? "
+                  "FOO-VB needs the unscaled loss's gradients: train without the scaler (bfloat16 autocast needs "
+                  "none). Else, w" if factor >= 2 ** 8 and math.frexp(factor)[0] == 0.5 else "W")
         raise ValueError(
-            f"the loss is {factor:g} times a {kind}{over}: whether {factor:g} belongs to each example's loss (a "
-            f"Gaussian's 1/2) or scales the whole batch (1/k over k micro-batches, a dataset size) cannot be read "
-            f"from it. The first: {each}; the second: {batch}")
+            f"the loss is {factor:g} times a {kind}{over}. {scaler}hether {factor:g} belongs to each example's loss "
+            f"(a Gaussian's 1/2) or scales the whole batch (1/k over k micro-batches, a dataset size) cannot be "
+            f"read from it. The first: {each}; the second: {batch}{masked}")
     if declared == "mean":
         raise ValueError(f"loss_reduction='mean' says the loss is a mean, but its last operation is "
                          f"{'a sum' if kind == 'sum' else kind}: return the mean, or call "
@@ -326,9 +333,12 @@ class LossSpy(TorchFunctionMode):
     leading size of the model's tensor inputs. The closure's returned loss cannot serve: Lightning returns a
     detached copy, and backward has run."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, watched: dict[int, nn.Module] | None = None) -> None:
         super().__init__()
         self.modules = {id(module) for module in model.modules()}
+        self.watched = watched or {}  # modules whose calls before backward() are followed: `last_watched`, the
+        # last one called
+        self.last_watched: nn.Module | None = None
         self.reductions: list[LossReduction] = []
         self.losses: list[float] = []
         self.rows: set[int] = set()  # leading sizes of the inputs of the outermost calls into the model
@@ -347,6 +357,8 @@ class LossSpy(TorchFunctionMode):
     def enter_module(self, module: nn.Module, args: tuple) -> None:
         if id(module) not in self.modules:
             return
+        if id(module) in self.watched and not self.reductions:  # not after backward() (a checkpoint's recompute)
+            self.last_watched = module
         if self._depth == 0:
             first = next((a for a in args if isinstance(a, Tensor)), None)
             if first is not None and first.ndim:
