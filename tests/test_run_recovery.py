@@ -24,6 +24,7 @@ from foovb_suite import factories, outputs, plots, runner
 from foovb_suite.cli import main
 from foovb_suite.config import ConfigError, config_from_dict
 from foovb_suite.loading import load_learner, load_model
+from foovb_suite.rundir import CheckpointError
 from foovb_suite.runner import run
 
 # FOO-VB with the paper's growing sigma, no antithetic pairs and a huge initial std: non-finite within a few steps
@@ -400,3 +401,48 @@ def test_finite_weights_whose_logits_overflow_stop_the_run_at_the_evaluation(con
     assert "training diverged after 10 of 20 iterations" in err
     assert "the model's outputs on the test set of task(s) [1, 2] are not finite" in err and "NaN log-likelihood" in err
     assert _checkpoint_iteration(out) == 7 and not (out / "summary.json").exists()
+
+
+def test_files_copied_from_another_runs_directory_are_refused_by_compare_and_load_model(uninterrupted, tmp_path,
+                                                                                          capsys) -> None:
+    """A run of another seed, same name, scenario and learner: its config.yaml, its results or its checkpoint copied
+    into the run's directory were taken as the run's (compare grouped them as two seeds; load_model gave the other
+    run's weights)."""
+    other = tmp_path / "other"
+    run(config_from_dict({**TINY, "seed": 7}), other, progress=False)
+    for copied, says in ((["config.yaml"], "config.yaml is not the config summary.json was written under (seed: "
+                                           "summary.json 0, config.yaml 7)"),
+                         (["summary.json", "metrics.jsonl"], "summary.json belongs to run "),
+                         (["checkpoint.pt"], "checkpoint.pt belongs to run ")):
+        mixed = tmp_path / f"mixed_{copied[0]}"
+        shutil.copytree(uninterrupted, mixed)
+        for name in copied:
+            shutil.copy(other / name, mixed / name)
+        if copied == ["checkpoint.pt"]:
+            with pytest.raises(CheckpointError, match=re.escape(says)):
+                load_model(mixed)
+            continue
+        assert main(["compare", str(mixed), str(other), "--out", str(tmp_path / "cmp")]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and says in error[0], error
+    assert main(["compare", str(uninterrupted), str(other), "--out", str(tmp_path / "cmp")]) == 0  # their own files
+    load_model(other)
+
+
+def test_resume_of_a_finished_run_rewrites_nothing(uninterrupted, tmp_path, monkeypatch, capsys) -> None:
+    """--resume with other threads on a finished run rewrote summary.json's hardware and config.yaml's threads as
+    if the run had trained so (after loading the data again); now it says so and leaves the files."""
+    copy = tmp_path / "finished"
+    shutil.copytree(uninterrupted, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    monkeypatch.setattr(runner, "build_scenario", lambda config: pytest.fail("the data were loaded"))
+    summary = run(config_from_dict({**TINY, "threads": 2}), copy, resume=True, progress=False)
+    assert summary == json.loads(before["summary.json"])
+    assert "holds a finished run: nothing to resume" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="the config differs"):  # a changed config is still refused
+        run(config_from_dict({**TINY, "seed": 3}), copy, resume=True, progress=False)
+    (copy / "metrics.jsonl").write_text("")  # damaged outputs: the resume rebuilds them from the checkpoint
+    run(config_from_dict(TINY), copy, resume=True, progress=False)
+    assert (copy / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]

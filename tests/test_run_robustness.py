@@ -169,19 +169,21 @@ def test_a_removed_run_directory_is_named(tmp_path):
             lock.confirm()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or SSH session closed
 def test_sigterm_checkpoints_after_the_iteration_and_prints_the_resume_command(config_file, tmp_path, capfd,
-                                                                             monkeypatch):
+                                                                             monkeypatch, signum):
     out = tmp_path / "r"
     uninterrupted = tmp_path / "u"
     run(config_from_dict(TINY), uninterrupted, progress=False)
-    handler = signal.getsignal(signal.SIGTERM)
+    handler = signal.getsignal(signum)
     with monkeypatch.context() as patch:
-        _patch_observe(patch, 11, lambda learner: signal.raise_signal(signal.SIGTERM))
-        assert _cli_run(config_file, out) == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is handler
+        _patch_observe(patch, 11, lambda learner: signal.raise_signal(signum))
+        assert _cli_run(config_file, out) == 128 + signum
+    assert signal.getsignal(signum) is handler
     err = capfd.readouterr().err
-    assert "Traceback" not in err and "foovb: SIGTERM: stopping after this iteration" in err
-    assert f"foovb: stopped by SIGTERM: saved a checkpoint after 12 of 20 iterations in {out / 'checkpoint.pt'}; " \
+    name = signal.Signals(signum).name
+    assert "Traceback" not in err and f"foovb: {name}: stopping after this iteration" in err
+    assert f"foovb: stopped by {name}: saved a checkpoint after 12 of 20 iterations in {out / 'checkpoint.pt'}; " \
            f"resume with: foovb run {config_file} --out {out} --resume --no-progress" in err
     assert _checkpoint_iteration(out) == 12
     assert _cli_run(config_file, out, "--resume") == 0
@@ -516,3 +518,27 @@ def test_a_billion_laughs_in_the_run_directorys_config_is_refused(config_file, d
     assert _cli_run(config_file, damaged, "--resume") == 2
     line = _one_error_line(capfd)
     assert f"{damaged / 'config.yaml'}" in line and "more than 100000 values" in line
+
+
+def test_a_sighup_that_nohup_ignores_stays_ignored():
+    from foovb_suite.signals import deferred_interrupt
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with deferred_interrupt(True) as requested:
+            signal.raise_signal(signal.SIGHUP)
+            assert requested() is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_a_full_disk_on_a_new_file_says_nothing_was_written(tmp_path, monkeypatch):
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "fsync", no_space)
+    with pytest.raises(OSError, match="nothing was written") as error:
+        rundir.write_atomically(b"x", tmp_path / "new.json")
+    assert "held before" not in str(error.value)
+    assert not list(tmp_path.iterdir())

@@ -54,6 +54,11 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     if problem is not None:  # config.yaml copied from another run: the comparison would group it with that one
         raise CheckpointError(f"{run_dir}: config.yaml is not the config of the run whose results are there "
                               f"({problem}); restore the run's own config.yaml")
+    from .resume import run_disagrees  # (resume imports this module)
+
+    problem = run_disagrees(run_dir, summary.get("run"), config, "summary.json")
+    if problem is not None:  # a config of the same name and learner copied in, or another run's results
+        raise CheckpointError(f"{problem}; restore the run's own files, or rerun it")
     return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(config)}
 
 
@@ -115,9 +120,15 @@ def load_learner(run_dir: str | Path, device: str | torch.device = "cpu") -> Lea
                                 f"{run_dir} has no {checkpoint_path.name} (not a run directory, or a run stopped "
                                 "before its first checkpoint)")
     config = saved_config(run_dir)
+    state = read_checkpoint(checkpoint_path)
+    from .resume import run_disagrees  # (resume imports this module)
+
+    problem = run_disagrees(run_dir, state.get("run"), config, checkpoint_path.name)
+    if problem is not None:  # another run's weights
+        raise CheckpointError(f"{problem}; restore the run's own files")
     with torch.random.fork_rng(devices=[]):  # build_learner seeds the model's initialisation
         learner = build_learner(config, build_scenario(config), resolve_device(str(device)))
-    load_learner_state(learner, read_checkpoint(checkpoint_path), checkpoint_path)
+    load_learner_state(learner, state, checkpoint_path)
     return learner
 
 

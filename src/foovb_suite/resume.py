@@ -13,6 +13,7 @@ from typing import Any
 from .config import (
     EXECUTION_KEYS,
     EXECUTION_SCENARIO_KEYS,
+    Config,
     ConfigError,
     config_from_dict,
     config_to_dict,
@@ -21,7 +22,7 @@ from .config import (
 from .loading import saved_config
 from .rundir import CheckpointError
 
-__all__ = ["RUN_FILE", "check_config_unchanged", "run_identity"]
+__all__ = ["RUN_FILE", "check_config_unchanged", "run_disagrees", "run_identity"]
 
 RUN_FILE = "run.json"
 
@@ -87,20 +88,44 @@ def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | N
         raise CheckpointError(f"--resume: {checkpoint_path} belongs to another run (run {run['id']}; this "
                               f"directory's {RUN_FILE} says {recorded}): it was copied from another run directory; "
                               f"{advice}")
-    saved, here = _flatten(_with_defaults(run["config"])), _flatten(computed)
-    changed = sorted(key for key in saved.keys() | here.keys() if saved.get(key) != here.get(key))
-    if changed:
-        details = "; ".join(f"{key}: checkpoint {saved.get(key, '(absent)')!r}, config.yaml and command line "
-                            f"{here.get(key, '(absent)')!r}" for key in changed[:6])
+    details = _config_changes(run["config"], computed, "checkpoint", "config.yaml and command line")
+    if details:
         raise CheckpointError(f"--resume: {checkpoint_path} was written under another config than "
-                              f"{run_dir / 'config.yaml'} says ({details}{'; ...' if len(changed) > 6 else ''}): "
-                              f"config.yaml was edited after the run started; restore it, or start a new run")
+                              f"{run_dir / 'config.yaml'} says ({details}): config.yaml was edited after the run "
+                              f"started, or copied from another run; restore it, or start a new run")
     if run.get("data") != data:
         raise CheckpointError(f"--resume: scenario.factory {computed['scenario']['factory']!r} returns other data "
                               f"than when the run started (SHA-256 {data}, the checkpoint's {run.get('data')}): a "
                               "factory must return the same data at every call (seed its randomness, e.g. from its "
                               "args); restore it, or start a new run")
     return recorded
+
+
+def _config_changes(recorded: dict[str, Any], computed: dict[str, Any], there: str, here: str) -> str:
+    """The keys whose values differ between a computed config recorded by a run (a checkpoint's, summary.json's;
+    keys added to `Config` since compared at their defaults) and `computed`, at most 6 named; "" if none."""
+    saved, now = _flatten(_with_defaults(recorded)), _flatten(computed)
+    changed = sorted(key for key in saved.keys() | now.keys() if saved.get(key) != now.get(key))
+    return "; ".join(f"{key}: {there} {saved.get(key, '(absent)')!r}, {here} {now.get(key, '(absent)')!r}"
+                     for key in changed[:6]) + ("; ..." if len(changed) > 6 else "")
+
+
+def run_disagrees(run_dir: Path, run: Any, config: Config, what: str) -> str | None:
+    """Why `what` (a checkpoint or summary.json of `run_dir`), whose record of its run is `run` ({"id", "config"}),
+    is not the run in `run_dir`: another identity than run.json's (copied from another run directory), or another
+    computed config than config.yaml's (`config`: edited, or copied from another run); None if it is, or if the
+    record or run.json is absent (written by an earlier foovb, or run.json deleted: --resume says how to restore)."""
+    if not isinstance(run, dict) or "id" not in run:
+        return None
+    recorded = _read_run_id(run_dir)
+    if recorded is not None and run["id"] != recorded:
+        return (f"{what} belongs to run {run['id']}, but {run_dir / RUN_FILE} says {recorded}: it was copied from "
+                "another run directory")
+    details = _config_changes(run.get("config", {}), what_it_computes(config_to_dict(config)), what, "config.yaml")
+    if details:
+        return (f"{run_dir / 'config.yaml'} is not the config {what} was written under ({details}): edited, or "
+                "copied from another run")
+    return None
 
 
 def _read_run_id(run_dir: Path) -> str | None:

@@ -132,7 +132,8 @@ def write_atomically(data: bytes, path: Path) -> None:
         tmp.unlink(missing_ok=True)
         if not isinstance(error, OSError):
             raise
-        raise write_error(error, path, len(data), "; what it held before is kept") from error
+        kept = "; what it held before is kept" if path.exists() else "; nothing was written"
+        raise write_error(error, path, len(data), kept) from error
 
 
 def save_checkpoint(state: dict[str, Any], path: Path) -> None:

@@ -41,12 +41,12 @@ from .config import Config, ConfigError, config_to_dict, what_it_computes
 from .evaluation import metrics_per_mode
 from .factories import build_learner, build_scenario, resolve_device
 from .learners import Learner
-from .loading import load_learner_state, read_checkpoint
+from .loading import load_learner_state, load_run, read_checkpoint
 from .loop import TrainingLoop
 from .metrics import ACCURACY_MODES
 from .outputs import write_outputs, write_text
 from .resume import RUN_FILE, check_config_unchanged, run_identity
-from .rundir import RunDirectoryBusy, RunLock, make_directory, not_a_file
+from .rundir import CheckpointError, RunDirectoryBusy, RunLock, make_directory, not_a_file
 from .scenarios.in_memory import data_digest
 from .signals import StderrWhileReadable, deferred_interrupt
 from .tensorboard_log import TensorBoardLog, require_tensorboard
@@ -93,6 +93,8 @@ def run(config: Config, run_dir: str | Path, *, resume: bool = False, progress: 
         require_tensorboard()
     if config.threads:
         torch.set_num_threads(config.threads)
+    if resume and not distributed_run and (summary := _finished_summary(run_dir, config)) is not None:
+        return summary
     try:
         scenario = build_scenario(config)
     except ConfigError:
@@ -185,6 +187,21 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     return summary
 
 
+def _finished_summary(run_dir: Path, config: Config) -> RunResult | None:
+    """--resume of a run that finished with whole outputs: its summary, with nothing loaded, trained or rewritten
+    (a rewrite recorded the command line's threads as the run's); None where there is a run to continue, outputs
+    to rebuild from the checkpoint (damaged or missing), a live run in the directory, or a config that differs."""
+    if not (run_dir / "summary.json").is_file() or RunLock.busy_message(run_dir) is not None:
+        return None
+    try:
+        check_config_unchanged(run_dir, config_to_dict(config))  # else the usual path says what is wrong
+        summary = load_run(run_dir)["summary"]
+    except (OSError, ValueError, ConfigError, CheckpointError):  # damaged: the resume rebuilds the outputs
+        return None
+    print(f"foovb: {run_dir} holds a finished run: nothing to resume", file=sys.stderr)
+    return summary
+
+
 def _final_summary(config: Config, scenario, learner: Learner, device: torch.device, distributed_run: bool,
                    loop: TrainingLoop) -> RunResult:
     """summary.json of a finished run."""
@@ -202,4 +219,5 @@ def _final_summary(config: Config, scenario, learner: Learner, device: torch.dev
         "device": str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})",
         "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": metrics_per_mode(records, ends, scenario.num_tasks),
+        "run": {"id": loop.run["id"], "config": loop.run["config"]},  # what `foovb compare` checks the files by
     }

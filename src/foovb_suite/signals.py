@@ -1,6 +1,6 @@
-"""Ctrl-C and SIGTERM during a run: a first one is deferred to the end of the iteration (`deferred_interrupt`), so
-that the run checkpoints before it stops (`RunInterrupted`); a second one stops at once. The progress bar's stream
-outlives a terminal that the same Ctrl-C closed (`StderrWhileReadable`)."""
+"""Ctrl-C, SIGTERM and SIGHUP during a run: a first one is deferred to the end of the iteration
+(`deferred_interrupt`), so that the run checkpoints before it stops (`RunInterrupted`); a second one stops at once.
+The progress bar's stream outlives a terminal that the same Ctrl-C closed (`StderrWhileReadable`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from typing import Any
 
 from .rundir import send_to_devnull
 
-__all__ = ["RunInterrupted", "StderrWhileReadable", "deferred_interrupt"]
+__all__ = ["STOP_SIGNALS", "RunInterrupted", "StderrWhileReadable", "deferred_interrupt"]
+
+# Ctrl-C; what SLURM, Kubernetes and `timeout` send before a kill; a closed terminal or SSH session (POSIX only)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -59,11 +62,12 @@ class StderrWhileReadable:
 
 @contextlib.contextmanager
 def deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
-    """Within the block, a first Ctrl-C (SIGINT) or SIGTERM (what SLURM, Kubernetes and `timeout` send before a
-    kill) only records the signal, returned by a function that the training loop checks between iterations, so that
-    no step or evaluation is cut in half and the run checkpoints before it stops; a second one raises
-    KeyboardInterrupt at once. Not `enabled` (distributed runs, whose processes could stop at different
-    iterations), or outside the main thread (where no signal handler can be set), the signals act as usual."""
+    """Within the block, a first Ctrl-C (SIGINT), SIGTERM (what SLURM, Kubernetes and `timeout` send before a
+    kill) or SIGHUP (a closed terminal; not where `nohup` ignores it) only records the signal, returned by a
+    function that the training loop checks between iterations, so that no step or evaluation is cut in half and the
+    run checkpoints before it stops; a second one raises KeyboardInterrupt at once. Not `enabled` (distributed runs,
+    whose processes could stop at different iterations), or outside the main thread (where no signal handler can be
+    set), the signals act as usual."""
     requested: list[int] = []
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield lambda: None
@@ -80,7 +84,9 @@ def deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
         except OSError:  # stderr's reader is gone (`| tee`, which the same Ctrl-C stopped): checkpoint all the same
             send_to_devnull(2)
 
-    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # (a SIGHUP that `nohup` ignores stays ignored)
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS
+                if signum in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield lambda: requested[0] if requested else None
     finally:
