@@ -133,6 +133,8 @@ def test_a_torch_optimizers_arguments_and_misspellings_are_told_what_to_pass():
         FOOVB(mlp(), mean_stp=0.5)
     with pytest.raises(TypeError, match=r"not FOOVB\(model.parameters\(\)\)\), got generator"):
         FOOVB(mlp().parameters())
+    with pytest.raises(TypeError, match=r"got list of parameter groups: FOOVB takes no per-group learning rates"):
+        FOOVB([{"params": mlp().parameters(), "lr": 0.1}])
 
 
 def test_full_family_too_large_layer_reports_memory():

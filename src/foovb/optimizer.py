@@ -162,8 +162,12 @@ class FOOVB(Persistence):
         if unknown:
             raise unknown_arguments(unknown, list(inspect.signature(FOOVB.__init__).parameters)[1:-1])
         if not isinstance(model, nn.Module):
+            groups = isinstance(model, (list, tuple)) and any(isinstance(group, dict) for group in model)
             raise TypeError(f"model must be an nn.Module (FOOVB(model), not FOOVB(model.parameters())), got "
-                            f"{type(model).__name__}")
+                            f"{type(model).__name__}" + (
+                                " of parameter groups: FOOVB takes no per-group learning rates, as each weight's "
+                                "step is scaled by its own posterior variance (to freeze a layer: "
+                                "requires_grad_(False))" if groups else ""))
         settings = resolve(posterior, preset, dict(
             std_init=std_init, alpha=alpha, mean_step=mean_step, cov_step=cov_step, antithetic=antithetic,
             std_growth=std_growth, cov_momentum=cov_momentum, implicit_mean=implicit_mean,
