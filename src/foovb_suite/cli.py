@@ -12,6 +12,7 @@ import re
 import shlex
 import signal
 import sys
+import traceback
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -376,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:  # before or after a run's own handling (e.g. while importing torch)
         if args.debug:
-            raise
+            traceback.print_exc()
         print("foovb: interrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as error:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback too, the same exit status
+            traceback.print_exc()
         text = error
         if isinstance(error, OSError) and error.strerror:
             text = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
