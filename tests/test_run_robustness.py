@@ -543,3 +543,26 @@ def test_a_full_disk_on_a_new_file_says_nothing_was_written(tmp_path, monkeypatc
         rundir.write_atomically(b"x", tmp_path / "new.json")
     assert "held before" not in str(error.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_second_signal_as_a_checkpoint_is_written_names_the_checkpoint_on_disk(tmp_path, monkeypatch):
+    """Stopped between the file's rename and the record of it, the message named the checkpoint before."""
+    from foovb_suite import loop as loop_module
+    from foovb_suite.signals import RunInterrupted
+
+    calls = []
+
+    def written_then_stopped(state, path):
+        rundir.save_checkpoint(state, path)
+        calls.append(state["iteration"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop_module, "save_checkpoint", written_then_stopped)
+    out = tmp_path / "r"
+    with pytest.raises(RunInterrupted) as stopped:
+        run(config_from_dict(TINY), out, progress=False)
+    on_disk = torch.load(out / "checkpoint.pt")["iteration"]
+    assert on_disk == calls[1] != calls[0]
+    assert f"the last checkpoint, after {on_disk} of " in str(stopped.value)
+    assert stopped.value.checkpoint_iteration == on_disk

@@ -4,6 +4,7 @@ cleanly on divergence (`TrainingDiverged`) and on Ctrl-C (`signals.RunInterrupte
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import signal
 import time
@@ -21,7 +22,7 @@ from .config import Config
 from .evaluation import Evaluator, average_so_far, task_ends
 from .learners import Learner
 from .outputs import write_metrics
-from .rundir import save_checkpoint
+from .rundir import CheckpointError, load_checkpoint, save_checkpoint
 from .signals import RunInterrupted
 from .tensorboard_log import TensorBoardLog
 
@@ -75,6 +76,7 @@ class TrainingLoop:
         self.run = run  # what every checkpoint records it belongs to: the run's identity, computed config, data
         self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
+        self.saving: int | None = None  # the iteration of a checkpoint being written
         state = state or {"iteration": 0, "records": [], "train_seconds": 0.0, "stds": {}}
         self.start: int = state["iteration"]
         self.records: list[dict] = state["records"]
@@ -93,10 +95,11 @@ class TrainingLoop:
         if self.main_process:
             self.confirm_lock()  # never two runs writing one directory (RunLock.confirm)
             stds = {key: torch.from_numpy(value) for key, value in self.stds.items()}
+            self.saving = iteration
             save_checkpoint({"learner": self.learner.state_dict(), "iteration": iteration, "records": self.records,
                              "train_seconds": self.train_seconds, "stds": stds, "run": self.run},
                             self.checkpoint_path)
-            self.saved_at = iteration
+            self.saved_at, self.saving = iteration, None
         self.tic = self.saved_tic = time.perf_counter()
 
     def train(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
@@ -181,6 +184,10 @@ class TrainingLoop:
                                  self._kept_checkpoint())
 
     def _kept_checkpoint(self) -> str:
+        if self.saving is not None:  # a second signal stopped save(): the file holds the checkpoint before, or this
+            with contextlib.suppress(OSError, CheckpointError):  # one if it was written whole; say which
+                self.saved_at = load_checkpoint(self.checkpoint_path)["iteration"]
+            self.saving = None
         if self.saved_at is None:
             return "no checkpoint had been written yet (nothing to resume)"
         return (f"the last checkpoint, after {self.saved_at} of {self.scenario.num_iterations} iterations, is kept "
