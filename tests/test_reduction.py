@@ -538,19 +538,19 @@ def test_an_unreadable_loss_names_the_summed_reduction_too():
 
 def test_a_masked_mean_is_named_and_its_count_gives_the_summed_steps():
     """(losses * mask).sum() / mask.sum(): a sum over every term divided by the count of those kept. Its advice was
-    loss_reduction='sum' (a likelihood mask.sum() times too weak); the count is the fix."""
+    loss_reduction='sum' first (a likelihood mask.sum() times too weak); the count is the fix, named first."""
     mask = torch.tensor([1.0, 1, 1, 0, 1, 0, 1, 1])  # 6 of the 8 rows count
 
     def masked(out, y):
         return (F.cross_entropy(out, y, reduction="none") * mask).sum() / mask.sum()
 
     model = mlp()
-    with pytest.raises(ValueError, match=r"0\.166667 times a sum over 8 terms\. Whether.*the third, for a mean over 6 "
-                                         r"of the values summed \(a masked mean, \.sum\(\) / mask\.sum\(\)\).*"
-                                         r"batch_size=6\)"):
+    with pytest.raises(ValueError, match=r"^the loss is 0\.166667 times a sum over 8 terms: for a mean over 6 of the 8 "
+                                         r"values summed \(a masked mean, \.sum\(\) / mask\.sum\(\)\), give that count "
+                                         r"at every step: step\(closure, batch_size=6\)\. Else"):
         FOOVB(model, "diagonal", 4).step(closure_of(model, masked))
     tokens = mask.reshape(2, 4)  # per-token losses of 2 rows of 4 tokens: the sum runs over 2 rows, the count is 6
-    with pytest.raises(ValueError, match=r"a mean over 6 of the values summed"):
+    with pytest.raises(ValueError, match=r"for a mean over 6 of the 8 values summed"):
         FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: (
             F.cross_entropy(out, y, reduction="none").reshape(2, 4) * tokens).sum() / tokens.sum()))
     snapshots = []
@@ -564,10 +564,33 @@ def test_a_masked_mean_is_named_and_its_count_gives_the_summed_steps():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_a_loss_scaled_by_a_power_of_two_names_the_grad_scaler():
+def test_a_sum_over_rows_and_tokens_divided_by_their_number_is_their_mean():
+    """A (rows, tokens) per-token loss summed and divided by rows x tokens (a masked mean with nothing masked) was
+    refused as "0.125 times a sum over 2 terms"; it is the mean over the 8 values, as F.mse_loss over them is."""
+    def per_token(out, y):
+        losses = F.cross_entropy(out, y, reduction="none").reshape(2, 4)
+        return losses.sum() / torch.ones(2, 4).sum()
+
+    snapshots = []
+    for loss_fn in (per_token, F.cross_entropy):
+        model = mlp()
+        opt = FOOVB(model, "diagonal", 4, seed=3)
+        opt.step(closure_of(model, loss_fn))
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("setting", [{}, {"loss_reduction": "sum"}, {"loss_reduction": "mean"}, {"batch_size": 8}])
+def test_a_loss_scaled_by_a_power_of_two_names_the_grad_scaler_whatever_else_is_said(setting):
+    """Every other fix the messages named (batch_size=n, loss_reduction='sum') ran with a likelihood 65,536 times
+    too strong."""
     model = mlp()
-    with pytest.raises(ValueError, match=r"65536 times a mean over 8 terms\. A loss scaled by torch\.amp\.GradScaler"):
-        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * 65536.0))
+    batch_size = setting.pop("batch_size", None)
+    for loss_fn in (lambda out, y: F.cross_entropy(out, y) * 65536.0,
+                    lambda out, y: F.cross_entropy(out, y, reduction="sum") * 65536.0):
+        with pytest.raises(ValueError, match=r"65536 times a (mean|sum): a loss scaled by torch\.amp\.GradScaler"):
+            FOOVB(model, "diagonal", 4, **setting).step(closure_of(model, loss_fn), batch_size=batch_size)
     with pytest.raises(ValueError, match=r"1000 times a mean over 8 terms\. Whether") as error:  # not a power of 2
         FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(out, y) * 1000.0))
     assert "GradScaler" not in str(error.value)

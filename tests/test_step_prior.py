@@ -303,3 +303,35 @@ def test_a_layer_recomputed_in_backward_is_not_taken_for_the_last_one_called(rec
 
     FOOVB(model, seed=0).step(closure)
     assert not [w for w in recwarn if "called" in str(w.message)]
+
+
+def test_a_nested_head_is_moved_by_the_models_child_that_holds_it(recwarn):
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.top = nn.ModuleDict({"head": nn.Linear(6, 3)})
+            self.body = nn.Sequential(nn.Linear(10, 6), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.top["head"](self.body(x))
+
+    x, y = data()
+    torch.manual_seed(0)
+    model = Nested()
+    with pytest.warns(UserWarning, match=r"called 'top.head' last.*`layer = model\.top; del model\.top; "
+                                         r"model\.top = layer` moves 'top', which holds it, last"):
+        FOOVB(model, seed=0).step(ce_closure(model, x, y))
+    layer = model.top
+    del model.top
+    model.top = layer
+    recwarn.clear()
+    FOOVB(model, seed=0).step(ce_closure(model, x, y))
+    assert not [w for w in recwarn if "called" in str(w.message)]
+
+
+def test_step_batched_names_an_output_layer_registered_before_the_body_too():
+    x, y = data()
+    torch.manual_seed(0)
+    model = HeadFirst()
+    with pytest.warns(UserWarning, match=r"called 'head' last.*'body\.0'"):
+        FOOVB(model, seed=0).step_batched(x, y, torch.nn.functional.cross_entropy)

@@ -207,6 +207,11 @@ class Step:
         """The trained matrix-variate nn.Linear blocks, whose statistics the closure path keeps low-rank."""
         return [block for block in self.blocks if isinstance(block, KroneckerBlock) and block.params[0].ndim == 2]
 
+    def watched_layers(self) -> dict[int, nn.Module]:
+        """The blocks' modules, where `watch_layers` asks which one the model calls last (else none)."""
+        return {id(block.module): block.module for block in self.all_blocks
+                if self.watch_layers and block.module is not None}
+
     def noise(self, k: int) -> dict[PosteriorBlock, Tensor]:
         """eps_k of every trained block, (1, *noise_shape); an antithetic pair's second half is -eps of its first
         (not redrawn). Blocks whose statistics keep no noise (`noise_reusable`) get it in the previous sample's
@@ -234,8 +239,7 @@ class Step:
             p.grad = None
         self.running.restore()
         sample = Sample(k)
-        watched = {id(block.module): block.module for block in self.all_blocks
-                   if self.watch_layers and block.module is not None}
+        watched = self.watched_layers()
         spy = (LossSpy(self.model, watched) if self.grad_scale is None or not reports_loss else
                contextlib.nullcontext())
         linear_kronecker = self.linear_kronecker
@@ -325,9 +329,13 @@ class Step:
             samples = shard[start : start + chunk]
             c = len(samples)
             noises = draw_noise(self.all_blocks, self.seed, samples, antithetic=self.antithetic, only=self.blocks)
+            watched = self.watched_layers() if start == 0 else {}
             with SampledNetwork(modules, noises, c, rows, track_grad=True) as network:
                 with torch.enable_grad():
-                    outputs = self.model(inputs)
+                    with LossSpy(self.model, watched) if watched else contextlib.nullcontext() as spy:
+                        outputs = self.model(inputs)
+                    if watched:
+                        self.last_layer = spy.last_watched
                     loss = loss_fn(outputs, targets.repeat(c, *([1] * (targets.ndim - 1))))
                     # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
                     reduction = loss_reduction_of(loss)

@@ -408,8 +408,9 @@ class FOOVB(Persistence):
             return
         names = {id(module): name for name, module in self.model.named_modules()}
         ran, registered = names.get(id(last_layer), "?"), names.get(id(taken[0].module), "?")
-        move = (f" (`layer = model.{ran}; del model.{ran}; model.{ran} = layer` moves it last)"
-                if all(part.isidentifier() for part in ran.split(".")) else "")
+        top = ran.split(".")[0]  # the model's child that holds it: moving that moves it
+        move = (f" (`layer = model.{top}; del model.{top}; model.{top} = layer` moves "
+                f"{'it' if top == ran else repr(top) + ', which holds it,'} last)" if top.isidentifier() else "")
         warnings.warn(
             f"FOOVB: the model called {ran!r} last, but the output layer that FOOVB treats apart (no step_prior "
             f"widening; the diagonal output factor) is the last layer registered with trainable parameters, "

@@ -58,6 +58,7 @@ class LossReduction(NamedTuple):
     mean_inside: float = math.nan
     factor: float = 1.0  # a constant the reduction was multiplied by (loss / 2: 0.5)
     of_one_row: str = ""  # "sum" / "mean" of a one-element tensor made by `kind`: a batch's loss if it has one row
+    values: float = math.nan  # a .sum()'s number of values summed (rows x tokens of a per-token loss)
 
 
 def _constant_operand(node: object) -> tuple[object, float] | None:
@@ -105,9 +106,11 @@ def _read(node: object, depth: int = 0) -> LossReduction:
     if constant is not None:
         found = _read(constant[0], depth + 1)
         divisor = _divisor(node)
-        # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term)
-        if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor == found.terms:
-            return LossReduction("mean", found.terms)
+        # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term), one over
+        # all its values divided by their number a mean over those (a per-token loss of shape (rows, tokens))
+        if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor in (found.terms,
+                                                                                            found.values):
+            return LossReduction("mean", divisor)
         return found._replace(factor=found.factor * constant[1])
     if name in _SHAPE_ONLY:  # a one-element tensor reshaped, cloned or cast: itself
         return _read(node.next_functions[0][0], depth + 1)
@@ -123,7 +126,7 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         source = type(node.next_functions[0][0]).__name__
         if source in ("StackBackward0", "CatBackward0"):  # a sum over a list of losses, not over examples
             return LossReduction(f"a .sum() over a {source[:-9].lower()} of values", math.nan)
-        return LossReduction("sum", float(sizes[0]) if sizes else 1.0)
+        return LossReduction("sum", float(sizes[0]) if sizes else 1.0, values=float(math.prod(sizes)))
     if name.startswith("MeanBackward"):
         source = type(node.next_functions[0][0]).__name__
         if source in ("StackBackward0", "CatBackward0"):  # a mean of losses, each over its own terms
@@ -178,7 +181,7 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
-    kind, terms, mean_inside, factor, of_one_row = reduction if reduction is not None else LossReduction(
+    kind, terms, mean_inside, factor, of_one_row, values = reduction if reduction is not None else LossReduction(
         _NO_BACKWARD, math.nan)
     if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
         kind, terms = of_one_row, 1.0
@@ -187,6 +190,12 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
                          "batch's negative log-likelihood")
     if not math.isfinite(factor):  # a non-finite loss: the update refuses it (FloatingPointError), whatever its scale
         return 1.0
+    if kind in ("mean", "sum") and factor >= 2 ** 8 and math.frexp(factor)[0] == 0.5:  # whatever else is said
+        raise ValueError(
+            f"the loss is {factor:g} times a {kind}: a loss scaled by torch.amp.GradScaler (its scales are powers "
+            f"of 2, {2 ** 16} at the start)? FOO-VB needs the unscaled loss's gradients: train without the scaler "
+            "(bfloat16 autocast needs none); a factor of your own that scales the whole batch (a dataset size): "
+            "drop it from the loss")
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
@@ -221,20 +230,24 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         whole = terms / factor if kind == "mean" else 1 / factor
         batch = (f"step(closure, batch_size={whole:g})" if kind == "mean" and float(whole).is_integer() and whole >= 1
                  else "drop it from the loss (FOO-VB needs the batch's own likelihood)")
-        counted = 1 / factor  # a .sum() divided by a count of its terms: a mean over those (a masked mean)
-        masked = (f"; the third, for a mean over {counted:g} of the values summed (a masked mean, .sum() / "
-                  f"mask.sum()): give that count at every step, step(closure, batch_size={counted:g})"
+        counted = 1 / factor  # a .sum() divided by a count of its values: a mean over those (a masked mean)
+        summed = f" of the {values:g} values summed" if not math.isnan(values) else " of the values summed"
+        masked = (f"for a mean over {counted:g}{summed} (a masked mean, .sum() / mask.sum()), give that count at "
+                  f"every step: step(closure, batch_size={counted:g})"
                   if kind == "sum" and math.isclose(counted, round(counted)) and round(counted) > 1 else "")
-        scaler = (f"A loss scaled by torch.amp.GradScaler (its scales are powers of 2, {2 ** 16} at the start)? "
-                  "FOO-VB needs the unscaled loss's gradients: train without the scaler (bfloat16 autocast needs "
-                  "none). Else, w" if factor >= 2 ** 8 and math.frexp(factor)[0] == 0.5 else "W")
+        if masked and round(counted) > 2:  # a count first; a factor 1/2 is more likely a Gaussian's
+            raise ValueError(
+                f"the loss is {factor:g} times a {kind}{over}: {masked}. Else, whether {factor:g} belongs to each "
+                f"example's loss or scales the whole batch cannot be read from it: {each} for the first, "
+                f"{batch} for the second")
         raise ValueError(
-            f"the loss is {factor:g} times a {kind}{over}. {scaler}hether {factor:g} belongs to each example's loss "
+            f"the loss is {factor:g} times a {kind}{over}. Whether {factor:g} belongs to each example's loss "
             f"(a Gaussian's 1/2) or scales the whole batch (1/k over k micro-batches, a dataset size) cannot be "
-            f"read from it. The first: {each}; the second: {batch}{masked}")
+            f"read from it. The first: {each}; the second: {batch}" + (f"; the third, {masked}" if masked else ""))
     if declared == "mean":
-        raise ValueError(f"loss_reduction='mean' says the loss is a mean, but its last operation is "
-                         f"{'a sum' if kind == 'sum' else kind}: return the mean, or call "
+        what = (f"it is {factor:g} times a mean" if kind == "mean" else
+                f"its last operation is {'a sum' if kind == 'sum' else kind}")
+        raise ValueError(f"loss_reduction='mean' says the loss is a mean, but {what}: return the mean, or call "
                          f"step(closure, batch_size={n or 'n'}) to give its number of terms")
     if kind == "sum":
         if math.isnan(terms) or terms in rows:  # a loss function's reduction="sum", or one term per input row
@@ -287,7 +300,7 @@ def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int
         return True
     if reduction is None or declared == "sum":
         return False
-    kind, _, _, factor, of_one_row = reduction
+    kind, _, _, factor, of_one_row, _ = reduction
     if of_one_row and rows == frozenset({1}):
         kind = of_one_row
     return (kind == "mean" and factor == 1) or (kind == "sum" and factor != 1)
