@@ -10,7 +10,7 @@ from conftest import ce_closure
 from torch import nn
 
 from foovb import FOOVB
-from foovb.calibration import STEP_PRIOR_MAX_WIDTH, variance_per_weight
+from foovb.calibration import STEP_PRIOR_MAX_WIDTH, step_prior_blocks, variance_per_weight
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -335,3 +335,18 @@ def test_step_batched_names_an_output_layer_registered_before_the_body_too():
     model = HeadFirst()
     with pytest.warns(UserWarning, match=r"called 'head' last.*'body\.0'"):
         FOOVB(model, seed=0).step_batched(x, y, torch.nn.functional.cross_entropy)
+
+
+def test_attentions_own_projections_take_the_algorithms_step():
+    """nn.MultiheadAttention's in-projection (query, key, value) is not widened; its out_proj, a Linear, is."""
+    model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Flatten(),
+                          nn.Linear(8 * 3, 2))
+    optimizer = FOOVB(model, seed=0)
+    attention = model[0].self_attn
+    widened = {id(p) for block in step_prior_blocks(optimizer.blocks) for p in block.params}
+    assert id(attention.in_proj_weight) not in widened and id(attention.in_proj_bias) not in widened
+    assert id(attention.out_proj.weight) in widened and id(model[0].linear1.weight) in widened
+    x, y = torch.randn(16, 3, 8), torch.randint(0, 2, (16,))
+    before = variance_per_weight(next(b for b in optimizer.blocks if attention.in_proj_weight in b.params))
+    optimizer.step(ce_closure(model, x, y))  # trains: the projections' step is the algorithm's
+    assert torch.isfinite(attention.in_proj_weight).all() and before > 0

@@ -86,10 +86,11 @@ The arguments of FOOVB:
         acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
         unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer except
-        the output layer (the last parameter block's module) and matrix-variate layers wider than posterior="auto"
-        makes them, with a factor wider than 1,025 (`calibration.step_prior_blocks`); those take the algorithm's
-        step. The matrix-variate family takes the step in the eigenbases of the layer's two factors,
-        a factor wider than 512 decomposed anew only when it has moved by more than a tenth since (an extension).
+        the output layer (the last parameter block's module), nn.MultiheadAttention's own projections and
+        matrix-variate layers wider than posterior="auto" makes them, with a factor wider than 1,025
+        (`calibration.step_prior_blocks`); those take the algorithm's step. The matrix-variate family takes the step
+        in the eigenbases of the layer's two factors, a factor wider than 512 decomposed anew only when it has moved
+        by more than a tenth since (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean
