@@ -446,3 +446,21 @@ def test_resume_of_a_finished_run_rewrites_nothing(uninterrupted, tmp_path, monk
     (copy / "metrics.jsonl").write_text("")  # damaged outputs: the resume rebuilds them from the checkpoint
     run(config_from_dict(TINY), copy, resume=True, progress=False)
     assert (copy / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+
+
+def test_run_files_deleted_during_the_run_are_restored_at_its_end(uninterrupted, tmp_path, monkeypatch) -> None:
+    """An `rm` of config.yaml and run.json while the run trained: it finished with exit 0 but could be neither
+    compared nor resumed (config.yaml missing)."""
+    out = tmp_path / "r"
+
+    def delete(learner):
+        (out / "config.yaml").unlink()
+        (out / "run.json").unlink()
+
+    _patch_observe(monkeypatch, 5, delete)
+    run(config_from_dict(TINY), out, progress=False)
+    assert (out / "config.yaml").read_text() == (uninterrupted / "config.yaml").read_text()
+    assert json.loads((out / "run.json").read_text())["run_id"] == json.loads((out / "summary.json").read_text())[
+        "run"]["id"]
+    assert main(["compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
+    assert run(config_from_dict(TINY), out, resume=True, progress=False)["modes"] == _modes(out)

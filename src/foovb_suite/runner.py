@@ -154,9 +154,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     if main_process:
         make_directory(run_dir / "plots")
         confirm_lock()
-        if not (run_dir / RUN_FILE).is_file():  # a new run, or one begun before runs had an identity
-            write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
-        write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+        _write_run_files(run_dir, run_id, resolved, config_too=True)
     board = None
     if config.tensorboard and main_process:  # a resumed run's points follow its checkpoint's iteration
         board = TensorBoardLog(run_dir / "tensorboard", config.tensorboard_every, 0 if state is None
@@ -183,8 +181,19 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         summary = _final_summary(config, scenario, learner, device, distributed_run, loop)
         if main_process:
             confirm_lock()
+            _write_run_files(run_dir, run_id, resolved, config_too=False)  # deleted during the run: restored
             write_outputs(run_dir, loop.records, summary, loop.stds, scenario, config)
     return summary
+
+
+def _write_run_files(run_dir: Path, run_id: str, resolved: dict[str, Any], *, config_too: bool) -> None:
+    """run.json where it is missing (a new run, one begun before runs had an identity, or one deleted during the
+    run) and config.yaml (`config_too`: at the start, with this command line's execution keys; else where it is
+    missing): a finished run can be compared and resumed."""
+    if not (run_dir / RUN_FILE).is_file():
+        write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+    if config_too or not (run_dir / "config.yaml").is_file():
+        write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
 
 
 def _finished_summary(run_dir: Path, config: Config) -> RunResult | None:
