@@ -208,9 +208,11 @@ class Step:
         return [block for block in self.blocks if isinstance(block, KroneckerBlock) and block.params[0].ndim == 2]
 
     def watched_layers(self) -> dict[int, nn.Module]:
-        """The blocks' modules, where `watch_layers` asks which one the model calls last (else none)."""
-        return {id(block.module): block.module for block in self.all_blocks
-                if self.watch_layers and block.module is not None}
+        """The blocks' modules, where `watch_layers` asks which one the model calls last (else none: every sample
+        of every later step asks)."""
+        if not self.watch_layers:
+            return {}
+        return {id(block.module): block.module for block in self.all_blocks if block.module is not None}
 
     def noise(self, k: int) -> dict[PosteriorBlock, Tensor]:
         """eps_k of every trained block, (1, *noise_shape); an antithetic pair's second half is -eps of its first

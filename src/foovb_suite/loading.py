@@ -50,21 +50,21 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{run_dir}: a damaged output file ({problem}); `foovb run CONFIG --out {run_dir} "
                               "--resume` rebuilds the outputs from its checkpoint")
     config = saved_config(run_dir)
-    problem = _config_disagrees(summary, config)
-    if problem is not None:  # config.yaml copied from another run: the comparison would group it with that one
+    if "run" in summary:  # its run recorded (since session 51): run.json's identity and the whole config compared
+        from .resume import run_disagrees  # (resume imports this module)
+
+        problem = run_disagrees(run_dir, summary["run"], config, "summary.json")
+        if problem is not None:  # config.yaml or the results copied from another run
+            raise CheckpointError(f"{problem}; restore the run's own files, or rerun it")
+    elif (problem := _config_disagrees(summary, config)) is not None:  # an earlier run's: what its summary names
         raise CheckpointError(f"{run_dir}: config.yaml is not the config of the run whose results are there "
                               f"({problem}); restore the run's own config.yaml")
-    from .resume import run_disagrees  # (resume imports this module)
-
-    problem = run_disagrees(run_dir, summary.get("run"), config, "summary.json")
-    if problem is not None:  # a config of the same name and learner copied in, or another run's results
-        raise CheckpointError(f"{problem}; restore the run's own files, or rerun it")
     return {"dir": run_dir, "summary": summary, "records": records, "config": config_to_dict(config)}
 
 
 def _config_disagrees(summary: dict[str, Any], config: Config) -> str | None:
-    """Why summary.json was not written by a run of `config` (its name, scenario or learner differ), or None. A key
-    summary.json lacks is not compared."""
+    """Why a summary.json that records no run (written before session 51) was not written by a run of `config` (its
+    name, scenario or learner differ), or None. A key summary.json lacks is not compared."""
     learner = config.learner.kind
     for what, configured in (("name", config.name), ("scenario", config.scenario.kind), ("learner", learner)):
         written = summary.get(what, configured)
