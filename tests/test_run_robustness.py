@@ -236,6 +236,35 @@ def test_sigterm_while_the_outputs_are_written_waits_for_them(tmp_path, monkeypa
     assert drawn == ["average_accuracy", "first_task_accuracy", "accuracy_matrix"] * len(summary["modes"])
 
 
+def test_signals_while_the_outputs_are_written_say_so_and_resume_writes_them(config_file, tmp_path, capfd,
+                                                                           monkeypatch):
+    """A first SIGTERM after the last iteration said "stopping after this iteration", then the run ended with exit 0;
+    a second one stops at once, and --resume writes the outputs without training again."""
+    from foovb_suite import outputs
+
+    def two_sigterms(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+
+    out = tmp_path / "r"
+    with monkeypatch.context() as patch:
+        patch.setattr(outputs.plots, "plot_average_accuracy", two_sigterms)
+        assert _cli_run(config_file, out) == 128 + signal.SIGTERM
+    err = capfd.readouterr().err
+    assert "SIGTERM: training has ended: writing the run's outputs, then exiting" in err
+    assert "stopping after this iteration" not in err and "Traceback" not in err
+    assert not (out / "summary.json").exists()
+
+    def trains(learner):
+        raise AssertionError("--resume trained again")
+
+    with monkeypatch.context() as patch:
+        _patch_observe(patch, 0, trains)
+        assert _cli_run(config_file, out, "--resume") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run"]["id"] == json.loads((out / "run.json").read_text())["run_id"]
+
+
 def test_checkpoints_are_written_at_most_checkpoint_minutes_apart(tmp_path, monkeypatch):
     """Whatever checkpoint_every says, a SIGKILL loses at most checkpoint_minutes of work."""
     seen = []

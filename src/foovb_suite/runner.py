@@ -178,6 +178,8 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
                 board.close()
         if stopped_at is not None:
             return {"interrupted_at": stopped_at}
+        interrupt_requested.then = ("training has ended: writing the run's outputs, then exiting (again: stop at "
+                                    "once; --resume writes them)")
         summary = _final_summary(config, scenario, learner, device, distributed_run, loop)
         if main_process:
             confirm_lock()

@@ -9,12 +9,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from .rundir import send_to_devnull
 
-__all__ = ["STOP_SIGNALS", "RunInterrupted", "StderrWhileReadable", "deferred_interrupt"]
+__all__ = ["STOP_SIGNALS", "RunInterrupted", "StderrWhileReadable", "StopRequests", "deferred_interrupt"]
 
 # Ctrl-C; what SLURM, Kubernetes and `timeout` send before a kill; a closed terminal or SSH session (POSIX only)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
@@ -60,27 +60,38 @@ class StderrWhileReadable:
         return getattr(sys.stderr, name)
 
 
+class StopRequests:
+    """The signals received within `deferred_interrupt`: called, the first one (None: none yet). `then`: what the
+    run does on a first one, as its message says (the runner changes it once training has ended)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.then = "stopping after this iteration (again: stop at once, keeping the last checkpoint)"
+
+    def __call__(self) -> int | None:
+        return self.received[0] if self.received else None
+
+
 @contextlib.contextmanager
-def deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
+def deferred_interrupt(enabled: bool) -> Iterator[StopRequests]:
     """Within the block, a first Ctrl-C (SIGINT), SIGTERM (what SLURM, Kubernetes and `timeout` send before a
     kill) or SIGHUP (a closed terminal; not where `nohup` ignores it) only records the signal, returned by a
     function that the training loop checks between iterations, so that no step or evaluation is cut in half and the
     run checkpoints before it stops; a second one raises KeyboardInterrupt at once. Not `enabled` (distributed runs,
     whose processes could stop at different iterations), or outside the main thread (where no signal handler can be
     set), the signals act as usual."""
-    requested: list[int] = []
+    requests = StopRequests()
     if not enabled or threading.current_thread() is not threading.main_thread():
-        yield lambda: None
+        yield requests
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if requested:
+        if requests.received:
             raise _StopNow(signum)
-        requested.append(signum)
+        requests.received.append(signum)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         try:  # os.write: print could re-enter a write to stderr that the signal cut
-            os.write(2, f"\nfoovb: {name}: stopping after this iteration (again: stop at once, keeping the last "
-                        "checkpoint)\n".encode())
+            os.write(2, f"\nfoovb: {name}: {requests.then}\n".encode())
         except OSError:  # stderr's reader is gone (`| tee`, which the same Ctrl-C stopped): checkpoint all the same
             send_to_devnull(2)
 
@@ -88,7 +99,7 @@ def deferred_interrupt(enabled: bool) -> Iterator[Callable[[], int | None]]:
     previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS
                 if signum in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(signum) is not signal.SIG_IGN}
     try:
-        yield lambda: requested[0] if requested else None
+        yield requests
     finally:
         for signum, handler_before in previous.items():
             default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
