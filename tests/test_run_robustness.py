@@ -265,6 +265,22 @@ def test_signals_while_the_outputs_are_written_say_so_and_resume_writes_them(con
     assert summary["run"]["id"] == json.loads((out / "run.json").read_text())["run_id"]
 
 
+def test_a_new_run_over_an_attempt_killed_before_its_first_checkpoint_is_its_own(config_file, tmp_path, capfd):
+    """The killed attempt's run.json was kept: the finished run's summary and checkpoint read as copied from another
+    run, and compare, load_model and --resume refused them."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"run_id": "0123456789abcdef"}) + "\n")  # what the killed one left
+    assert _cli_run(config_file, out) == 0
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    assert run_id != "0123456789abcdef"
+    assert json.loads((out / "summary.json").read_text())["run"]["id"] == run_id
+    loading.load_model(out)
+    capfd.readouterr()
+    assert _cli_run(config_file, out, "--resume") == 0
+    assert "nothing to resume" in capfd.readouterr().err
+
+
 def test_checkpoints_are_written_at_most_checkpoint_minutes_apart(tmp_path, monkeypatch):
     """Whatever checkpoint_every says, a SIGKILL loses at most checkpoint_minutes of work."""
     seen = []

@@ -154,7 +154,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     if main_process:
         make_directory(run_dir / "plots")
         confirm_lock()
-        _write_run_files(run_dir, run_id, resolved, config_too=True)
+        _write_run_files(run_dir, run_id, resolved, config_too=True, new_run=state is None)
     board = None
     if config.tensorboard and main_process:  # a resumed run's points follow its checkpoint's iteration
         board = TensorBoardLog(run_dir / "tensorboard", config.tensorboard_every, 0 if state is None
@@ -188,11 +188,13 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     return summary
 
 
-def _write_run_files(run_dir: Path, run_id: str, resolved: dict[str, Any], *, config_too: bool) -> None:
-    """run.json where it is missing (a new run, one begun before runs had an identity, or one deleted during the
-    run) and config.yaml (`config_too`: at the start, with this command line's execution keys; else where it is
-    missing): a finished run can be compared and resumed."""
-    if not (run_dir / RUN_FILE).is_file():
+def _write_run_files(run_dir: Path, run_id: str, resolved: dict[str, Any], *, config_too: bool,
+                     new_run: bool = False) -> None:
+    """run.json for a `new_run` (over the one of an attempt killed before its first checkpoint, which would make
+    this run's checkpoint and summary read as copied from another run) or where it is missing (a run begun before
+    runs had an identity, or one deleted during the run), and config.yaml (`config_too`: at the start, with this
+    command line's execution keys; else where it is missing): a finished run can be compared and resumed."""
+    if new_run or not (run_dir / RUN_FILE).is_file():
         write_text(run_dir / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
     if config_too or not (run_dir / "config.yaml").is_file():
         write_text(run_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
