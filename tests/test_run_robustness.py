@@ -338,14 +338,18 @@ def test_user_errors_of_the_cli_are_one_line(config_file, tmp_path, capfd, probl
     assert expected in line
 
 
-def test_debug_shows_the_traceback_with_the_same_exit_status(config_file, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["before the subcommand", "after it"])
+def test_debug_shows_the_traceback_with_the_same_exit_status(config_file, tmp_path, capsys, where):
     config_file.write_text(config_file.read_text() + "checkpoint_every: 5\n")
     from foovb_suite.cli import main
 
-    assert main(["--debug", "run", str(config_file), "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    argv = ["run", str(config_file), "--out", str(tmp_path / "r"), "--no-progress"]
+    assert main(["--debug", *argv] if where == "before the subcommand" else [*argv, "--debug"]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ConfigError" in err
     assert err.rstrip().splitlines()[-1].startswith("foovb: error: ") and "given twice" in err
+    assert main(argv[:2] + ["--out", str(tmp_path / "r2"), "--no-progress"]) == 2  # without it: one line
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_a_checkpoint_of_another_model_is_one_error_line(config_file, damaged, tmp_path, capfd):

@@ -326,10 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The `foovb` argument parser (its subcommands carry their function in `func`)."""
     parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
     parser.add_argument("--version", action="version", version=f"foovb {__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the Python traceback of an error (by default one 'foovb: error:' line)")
+    debug_help = "show the Python traceback of an error (by default one 'foovb: error:' line)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    # --debug after the subcommand too (foovb run demo --debug); SUPPRESS: absent there, the top level's value stays
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="train and evaluate one experiment config")
+    p_run = sub.add_parser("run", parents=[debug], help="train and evaluate one experiment config")
     p_run.add_argument("config", help="a YAML config file, or the name of a bundled one (foovb configs)")
     p_run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set learner.params.mc_samples=2")
@@ -340,9 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write TensorBoard event files under RUN/tensorboard/ during the run (config key "
                             "tensorboard: true; needs the tensorboard package)")
     p_run.set_defaults(func=_run)
-    p_cfg = sub.add_parser("configs", help="list the bundled experiment configs (one per paper experiment)")
+    p_cfg = sub.add_parser("configs", parents=[debug],
+                           help="list the bundled experiment configs (one per paper experiment)")
     p_cfg.set_defaults(func=_configs)
-    p_cmp = sub.add_parser("compare", help="side-by-side table and overlaid plots of finished runs")
+    p_cmp = sub.add_parser("compare", parents=[debug], help="side-by-side table and overlaid plots of finished runs")
     p_cmp.add_argument("run_dirs", nargs="+")
     p_cmp.add_argument("--out", default="compare", help="where to write compare.csv and plots")
     p_cmp.add_argument("--plot-modes", nargs="+", choices=ACCURACY_MODES, metavar="MODE",
@@ -352,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="runs drawn in the plots, by name: the directory name, or the path as given when two "
                             "directories share a name (default all); the table always has every run")
     p_cmp.set_defaults(func=_compare)
-    p_plot = sub.add_parser("plot", help="average-accuracy and first-task plots from saved accuracy matrices")
+    p_plot = sub.add_parser("plot", parents=[debug],
+                            help="average-accuracy and first-task plots from saved accuracy matrices")
     p_plot.add_argument("matrices", nargs="+", metavar="MATRIX_CSV",
                         help="accuracy_matrix_<mode>.csv files of runs (one row per task end, one column per task)")
     p_plot.add_argument("--labels", nargs="+", metavar="LABEL",
