@@ -229,10 +229,26 @@ def test_cli_names_a_missing_dataset_in_one_line_before_writing(tmp_path, capsys
     config.write_text(json.dumps(quick()))
     sets = ["--set", "scenario.kind=vision_mix", "--set", "scenario.train_subset=null", "--set",
             f"scenario.data_dir={tmp_path / 'data'}", "--set", "scenario.num_tasks=2"]
+    (tmp_path / "data").mkdir()
     assert main(["run", str(config), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("foovb: error: dataset 'notmnist' was not found; looked in: ") and err.count("\n") == 1
     assert str(tmp_path / "data" / "notmnist") in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_data_dir_that_does_not_exist_is_named_in_a_short_line(tmp_path, capsys, monkeypatch) -> None:
+    """It was one line of 2,100 characters listing the folders under it, none saying that it does not exist."""
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(quick()))
+    monkeypatch.chdir(tmp_path)
+    sets = ["--set", "scenario.kind=vision_mix", "--set", "scenario.train_subset=null", "--set",
+            "scenario.data_dir=dta", "--set", "scenario.num_tasks=2"]
+    assert main(["run", str(config), *sets, "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foovb: error: dataset 'notmnist' was not found: scenario.data_dir dta does not exist (a "
+                          f"relative path, read from {tmp_path})") and err.count("\n") == 1
+    assert "download_dataset('notmnist', 'dta')" in err and len(err) < 500
     assert not (tmp_path / "r").exists()
 
 

@@ -239,6 +239,12 @@ def _dataset_folder(name: str, data_dir: str | Path | None) -> Path:
     for folder, files in missing.items():
         if not files:
             return folder
+    if data_dir is not None and not Path(data_dir).exists():  # a typo, or a relative path read from elsewhere
+        relative = "" if Path(data_dir).is_absolute() else f" (a relative path, read from {Path.cwd()})"
+        raise FileNotFoundError(
+            f"dataset {name!r} was not found: scenario.data_dir {data_dir} does not exist{relative}; it should hold "
+            f"{source.subdirs[0]}/ with {', '.join(source.required_files)}; foovb_suite.data.download_dataset("
+            f"{name!r}, {str(data_dir)!r}) fetches them on a machine with internet access")
     if data_dir is not None and not _missing_files(source, Path(data_dir)):  # the dataset's own folder was named
         folder = Path(data_dir)
         move = "" if folder.name in source.subdirs else f", with the files in {source.subdirs[0]}/ there (or a link)"
