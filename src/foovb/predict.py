@@ -162,7 +162,10 @@ def _check_count(name: str, value: object, minimum: int) -> None:
 def predict(optimizer: FOOVB, inputs: Tensor, num_samples: int = 0, *, seed: int | None = 0,
             chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Predictions:
     """Posterior-mean probabilities, plus those of `num_samples` sampled networks if num_samples > 0
-    (`sample_probabilities`; `seed` None: fresh draws)."""
+    (`sample_probabilities`; `seed` None: fresh draws). The outputs are read as class logits (a softmax over the
+    last dimension) unless `output_fn` says otherwise: a regression net with several outputs per row (a mean and a
+    log-variance) needs it, e.g. `output_fn=lambda out: out` (one column is refused; two or more cannot be told from
+    logits)."""
     _check_optimizer(optimizer, "predict")
     _check_count("num_samples", num_samples, minimum=0)
     optimizer._check_ready_to_sample("predict()")
