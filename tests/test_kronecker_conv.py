@@ -1,12 +1,14 @@
-"""The matrix-variate family on nn.Conv2d (issue 28): the conv block's samples and update statistics against a
-direct computation (im2col: a convolution is W_mat @ [unfold(x); 1]), on both Monte Carlo paths, and a
-real-data check that a small matrix-variate CNN learns MNIST.
+"""The matrix-variate family on nn.Conv1d / Conv2d / Conv3d (issue 28; 1-D and 3-D since session 52): the conv
+block's samples and update statistics against a direct computation (im2col: a convolution is W_mat @ [patches(x); 1]),
+on both Monte Carlo paths (the batched one: Conv2d), and a real-data check that a small matrix-variate CNN learns
+MNIST.
 
 Background (issue 28): a convolution's gradient sums over batch x output positions, so with independent
 samples the noise term g(mu) mean(eps)^T of E[g eps^T] and the curvature of the conv layers are large; with the
 paper's beta = 1 the covariance collapses along the gradient direction within a few steps and the mean stops
 moving. Antithetic pairs (which cancel that term) and beta = 0.1 keep it learning."""
 
+import itertools
 import math
 
 import pytest
@@ -21,16 +23,27 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 
-CONVS = {
-    "bias": dict(in_channels=3, out_channels=4, kernel_size=(2, 3)),
-    "no-bias-strided": dict(in_channels=2, out_channels=5, kernel_size=3, stride=2, padding=1, bias=False),
-    "dilated": dict(in_channels=2, out_channels=3, kernel_size=(3, 2), dilation=(2, 1), padding=(1, 0)),
+CONVS = {  # name -> (the conv, the spatial shape of its test inputs)
+    "bias": (nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=(2, 3)), (7, 6)),
+    "no-bias-strided": (nn.Conv2d, dict(in_channels=2, out_channels=5, kernel_size=3, stride=2, padding=1,
+                                        bias=False), (7, 6)),
+    "dilated": (nn.Conv2d, dict(in_channels=2, out_channels=3, kernel_size=(3, 2), dilation=(2, 1),
+                                padding=(1, 0)), (7, 6)),
+    "1d-padded": (nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=5, padding=2, stride=2), (11,)),
+    "3d-no-bias": (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=(2, 3, 2), padding=(0, 1, 0),
+                                   bias=False), (3, 4, 5)),
 }
+BATCHED = ("bias", "no-bias-strided", "dilated")  # step_batched supports Conv2d only
 
 
-def make_conv(spec: str) -> nn.Conv2d:
+def make_conv(spec: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Conv2d(**CONVS[spec]).double()
+    kind, options, _ = CONVS[spec]
+    return kind(**options).double()
+
+
+def conv_input(spec: str, batch: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, CONVS[spec][1]["in_channels"], *CONVS[spec][2], generator=gen, dtype=F64)
 
 
 def randomize(block, gen):
@@ -41,23 +54,32 @@ def randomize(block, gen):
         st[key] = 0.5 * random_sqrt(st[key].shape[0], gen)
 
 
-def im2col(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """(r, n, L): every output position's input patch, channel-major as the weight's (in, kh, kw) flattening,
-    with a row of ones for the bias column."""
-    cols = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+def kernel_positions(conv: nn.Module) -> list[tuple[int, int]]:
+    """(c, kernel index tuple) in the order of the weight's (in, *kernel) flattening, counted by hand."""
+    return list(itertools.product(range(conv.in_channels), itertools.product(*map(range, conv.kernel_size))))
+
+
+def im2col(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(r, n, L): every output position's input patch, in the weight's (in, *kernel) order, with a row of ones for
+    the bias column. The patches come from a convolution with one-hot kernels (one per (channel, kernel index)), so
+    1-D, 2-D and 3-D convolutions with any stride, padding and dilation are covered the same way."""
+    positions = kernel_positions(conv)
+    one_hot = torch.zeros(len(positions), conv.in_channels, *conv.kernel_size, dtype=x.dtype)
+    for row, (c, index) in enumerate(positions):
+        one_hot[(row, c, *index)] = 1
+    conv_fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(conv.kernel_size)]
+    cols = conv_fn(x, one_hot, None, conv.stride, conv.padding, conv.dilation).flatten(2)
     return torch.cat([cols, torch.ones_like(cols[:, :1])], 1) if conv.bias is not None else cols
 
 
-def direct_weight(conv: nn.Conv2d, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """W[o, c, i, j] = W_mat[o, (c kh + i) kw + j], bias[o] = W_mat[o, n_in], element by element."""
-    out_c, in_c, kh, kw = conv.weight.shape
-    weight = torch.empty(out_c, in_c, kh, kw, dtype=matrix.dtype)
-    for o in range(out_c):
-        for c in range(in_c):
-            for i in range(kh):
-                for j in range(kw):
-                    weight[o, c, i, j] = matrix[o, (c * kh + i) * kw + j]
-    return weight, (matrix[:, in_c * kh * kw].clone() if conv.bias is not None else None)
+def direct_weight(conv: nn.Module, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W[o, c, *index] = W_mat[o, column of (c, index)], bias[o] = W_mat[o, n_in], element by element."""
+    positions = kernel_positions(conv)
+    weight = torch.empty(conv.weight.shape, dtype=matrix.dtype)
+    for column, (c, index) in enumerate(positions):
+        for o in range(conv.out_channels):
+            weight[(o, c, *index)] = matrix[o, column]
+    return weight, (matrix[:, len(positions)].clone() if conv.bias is not None else None)
 
 
 @pytest.mark.parametrize("spec", CONVS)
@@ -75,7 +97,7 @@ def test_conv_block_samples_match_direct_formula(spec):
     noise = torch.randn(3, p, n, generator=gen, dtype=F64)
     a, b, m = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"], block.state["mean"]
     samples = block.sample(noise)
-    x = torch.randn(2, conv.in_channels, 7, 6, generator=gen, dtype=F64)
+    x = conv_input(spec, 2, gen)
     for k in range(3):
         matrix = m + b @ noise[k] @ a.T
         weight, bias = direct_weight(conv, matrix)
@@ -83,8 +105,7 @@ def test_conv_block_samples_match_direct_formula(spec):
         if bias is not None:
             torch.testing.assert_close(samples[1][k], bias, rtol=0, atol=1e-12)
         with torch.no_grad():
-            out = F.conv2d(x, samples[0][k], samples[1][k] if bias is not None else None, conv.stride,
-                           conv.padding, conv.dilation)
+            out = conv._conv_forward(x, samples[0][k], samples[1][k] if bias is not None else None)
         expected = (matrix @ im2col(conv, x)).reshape(out.shape)
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     # join inverts split, and the posterior view reads Var(W_ij) = Sigma2_ii Sigma1_jj
@@ -93,8 +114,8 @@ def test_conv_block_samples_match_direct_formula(spec):
     torch.testing.assert_close(opt.posterior(conv.weight).std, direct_weight(conv, variance.sqrt())[0])
 
 
-@pytest.mark.parametrize("path", ["sequential", "batched"])
-@pytest.mark.parametrize("spec", CONVS)
+@pytest.mark.parametrize(("spec", "path"), [(spec, "sequential") for spec in CONVS]
+                         + [(spec, "batched") for spec in BATCHED])
 def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
     """One step on L = 1/2 ||conv(x) - T||^2 (summed): rebuild eps_k from the step's noise stream, compute each
     sample's gradient Psi_k = sum_rows Delta_r X_r^T from im2col (not autograd), and the paper's update:
@@ -109,7 +130,7 @@ def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
     gen = make_generator(2)
     randomize(block, gen)
     opt.load_mean_into_model()
-    x = torch.randn(3, conv.in_channels, 6, 7, generator=gen, dtype=F64)
+    x = conv_input(spec, 3, gen)
     with torch.no_grad():
         target = torch.randn_like(conv(x))
     m, a, b = (block.state[k].clone() for k in ("mean", "input_sqrt_cov", "output_sqrt_cov"))

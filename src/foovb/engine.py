@@ -205,7 +205,8 @@ class Step:
     @functools.cached_property
     def linear_kronecker(self) -> list[PosteriorBlock]:
         """The trained matrix-variate nn.Linear blocks, whose statistics the closure path keeps low-rank."""
-        return [block for block in self.blocks if isinstance(block, KroneckerBlock) and block.params[0].ndim == 2]
+        return [block for block in self.blocks if isinstance(block, KroneckerBlock) and isinstance(block.module,
+                                                                                                   nn.Linear)]
 
     def watched_layers(self) -> dict[int, nn.Module]:
         """The blocks' modules, where `watch_layers` asks which one the model calls last (else none: every sample

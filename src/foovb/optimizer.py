@@ -123,7 +123,7 @@ class FOOVB(Persistence):
 
     Args (in full: `foovb.presets`' docstring and docs/api.md):
         model: its parameters are the prior mean (init="keep") and hold the posterior mean after every step.
-        posterior: "auto" (matrix-variate for float nn.Linear / nn.Conv2d with at most 1024 inputs and outputs,
+        posterior: "auto" (matrix-variate for float nn.Linear / nn.Conv1d-3d with at most 1024 inputs and outputs,
             diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker" (Algorithm 3) or "full" (Algorithm 2).
         mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
         std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.

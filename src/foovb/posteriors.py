@@ -2,7 +2,7 @@
 updates are Algorithms 2-4), one object per block of parameters.
 
 A *block* is the unit whose posterior is independent of the others (the paper factors the covariance between
-layers): a single parameter tensor (diagonal), a Linear/Conv2d layer's weight with its bias as an extra input
+layers): a single parameter tensor (diagonal), a Linear/Conv1d-3d layer's weight with its bias as an extra input
 column (matrix-variate), or all parameters of one module flattened (full covariance).
 
 Each block implements the two methods of Algorithm 1: `sample` (TRANSFORM: theta = mu + A eps) and `update`
@@ -317,7 +317,7 @@ def output_layer_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock
 
 
 class KroneckerBlock(PosteriorBlock):
-    """Matrix-variate Gaussian over a Linear/Conv2d layer (Algorithm 3).
+    """Matrix-variate Gaussian over a Linear / Conv1d / Conv2d / Conv3d layer (Algorithm 3).
 
     The weight, reshaped to p x n_in (conv: out x in*kh*kw), with the bias appended as an extra input column,
     is W = M + B Phi A^T: `input_sqrt_cov` A (n x n, Sigma_1 = A A^T) and `output_sqrt_cov` B (p x p,
@@ -328,14 +328,17 @@ class KroneckerBlock(PosteriorBlock):
     optional_state = {**dict.fromkeys(CALIBRATED), AT_REFRESH[0]: "input_sqrt_cov", AT_REFRESH[1]: "output_sqrt_cov"}
 
     def __init__(self, module: nn.Module, state: dict, alpha: float, generator: torch.Generator | None,
-                 init: str, implicit_mean: bool = False):
-        params = [module.weight] + ([module.bias] if module.bias is not None else [])
+                 init: str, implicit_mean: bool = False,
+                 matrix: tuple[nn.Parameter, nn.Parameter | None] | None = None):
+        """`matrix`: the (weight, bias or None) that the block covers (`priors.weight_matrices`); None: the module's
+        `weight` and `bias`."""
+        weight, bias = matrix if matrix is not None else (module.weight, module.bias)
+        params = [weight] + ([bias] if bias is not None else [])
         super().__init__(params, state, module, implicit_mean)
         self.diagonal_output_factor = False  # set on the output layer's block by priors.make_blocks
-        weight = module.weight
         self.out_features = weight.shape[0]
         self.in_features = weight[0].numel()
-        self.has_bias = module.bias is not None
+        self.has_bias = bias is not None
         self.eigh_caches = {key: EighCache() for key in AT_REFRESH}
         n = self.in_features + int(self.has_bias)
         if not state:

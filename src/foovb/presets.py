@@ -4,12 +4,12 @@ reads, which are fixed at construction, and their validation (a ValueError namin
 The arguments of FOOVB:
     model: the network. Its parameters are the prior mean (init="keep") or are re-initialised
         (init="paper"); after every step they hold the posterior mean.
-    posterior: "auto" (the default): "kronecker" for every nn.Linear / nn.Conv2d in float32 or float64 with at
+    posterior: "auto" (the default): "kronecker" for every nn.Linear / nn.Conv1d-3d in float32 or float64 with at
         most AUTO_MAX_FEATURES (1024) inputs (fan_in) and outputs, "diagonal" for every other tensor, with the
         kronecker family's settings (on the robustness grid the matrix-variate family beat the diagonal one in most
         cells: docs/results.md, "A default that holds");
         "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
-        Algorithm 3, per nn.Linear / nn.Conv2d whose parameters are its weight and bias; other parameters,
+        Algorithm 3, per nn.Linear / nn.Conv1d-3d whose parameters are its weight and bias; other parameters,
         e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
         (multivariate, Algorithm 2, one full covariance per module; small layers only).
     mc_samples: K, Monte Carlo samples per step (the paper uses 10; K <= 2 is unstable).

@@ -22,6 +22,8 @@ XAVIER = "xavier"
 AUTO = "auto"  # the default posterior: matrix-variate where affordable, diagonal elsewhere
 AUTO_MAX_FEATURES = 1024  # posterior="auto": the most inputs (fan_in) and outputs of a matrix-variate layer
 PAPER_STD_INIT = 0.047  # the paper's sigma_init (appendix, "Discrete permuted MNIST")
+# the layers of Algorithm 3: a weight (out, in, *kernel) read as an out x (in x kernel) matrix, its bias a column
+MATRIX_VARIATE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def fans(tensor: Tensor) -> tuple[int, int]:
@@ -61,7 +63,7 @@ def paper_init(model: nn.Module, generator: torch.Generator, random_bias: bool) 
     """The appendix's initialisation of the means: Linear/Conv weights N(0, 2 / (fan_in + fan_out)), biases 0
     (`random_bias`: the BGD code's N(0, 2 / (1 + fan_out))). Frozen parameters are left alone."""
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv2d)):  # frozen parameters are left alone
+        if isinstance(module, MATRIX_VARIATE_LAYERS):  # frozen parameters are left alone
             std = xavier_std(module.weight)  # the appendix's variance 2 / (n_in + n_out)
             if module.weight.requires_grad:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
@@ -78,7 +80,7 @@ def alpha_init(model: nn.Module, generator: torch.Generator, alpha: float) -> di
     draws the means, returns each layer's prior std."""
     layer_std = {}
     for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.requires_grad:
+        if isinstance(module, MATRIX_VARIATE_LAYERS) and module.weight.requires_grad:
             fan_in = module.weight[0].numel()
             mean_std = math.sqrt(2 * alpha / (fan_in + 2))
             for param in (module.weight, module.bias):
@@ -100,30 +102,37 @@ def check_factor_dtype(name: str, dtype: torch.dtype, posterior: str) -> None:
             "FOOVB supports, or use posterior='diagonal'")
 
 
-def matrix_variate_layer(module: nn.Module, direct: list[nn.Parameter]) -> bool:
-    """Whether the matrix-variate posterior applies to `module` (its trainable `direct` parameters): an nn.Linear
-    or nn.Conv2d whose trainable parameters are its weight (a parameter, not e.g. weight_norm's computed weight,
-    and trainable: a frozen weight leaves a diagonal bias) and bias."""
-    return (isinstance(module, (nn.Linear, nn.Conv2d)) and isinstance(module.weight, nn.Parameter)
-            and all(p is module.weight or p is module.bias for p in direct) and module.weight.requires_grad)
+def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple[nn.Parameter, nn.Parameter | None]]:
+    """The (weight, bias or None) matrices of `module` that the matrix-variate posterior covers, one block each
+    (none: its trainable `direct` parameters go diagonal):
+
+    an nn.Linear or nn.Conv1d / 2d / 3d whose trainable parameters are its weight (a parameter, not e.g.
+    weight_norm's computed weight, and trainable: a frozen weight leaves a diagonal bias) and bias."""
+    if isinstance(module, MATRIX_VARIATE_LAYERS):
+        weight = module.weight
+        if (isinstance(weight, nn.Parameter) and weight.requires_grad
+                and all(p is weight or p is module.bias for p in direct)):
+            return [(weight, module.bias)]
+        return []
+    return []
 
 
-def affordable_matrix_variate(module: nn.Module) -> bool:
-    """posterior="auto": whether a matrix-variate layer gets Algorithm 3 rather than the diagonal posterior: a
-    float32 / float64 weight (the factors are kept in its dtype) with a trainable or absent bias, with at most
-    AUTO_MAX_FEATURES inputs (fan_in: in_features, or in_channels / groups x the kernel's size) and outputs. The
-    step's cost grows with the cube of the factors' sizes: on one CPU thread a K = 10 step of a 784-100-100-10 MLP
-    cost 3.4x the diagonal step, 784-512-10 5.1x, 784-1024-10 9.1x, 784-2047-10 25x (docs/performance.md)."""
-    weight = module.weight
+def affordable_matrix_variate(weight: Tensor, bias: Tensor | None) -> bool:
+    """posterior="auto": whether a weight matrix (`weight_matrices`) gets Algorithm 3 rather than the diagonal
+    posterior: a float32 / float64 weight (the factors are kept in its dtype) with a trainable or absent bias, with
+    at most AUTO_MAX_FEATURES inputs (fan_in: in_features, or in_channels / groups x the kernel's size) and outputs.
+    The step's cost grows with the cube of the factors' sizes: on one CPU thread a K = 10 step of a 784-100-100-10
+    MLP cost 3.4x the diagonal step, 784-512-10 5.1x, 784-1024-10 9.1x, 784-2047-10 25x (docs/performance.md)."""
     return (weight.dtype in (torch.float32, torch.float64)
-            and (module.bias is None or module.bias.requires_grad)
+            and (bias is None or bias.requires_grad)
             and weight[0].numel() <= AUTO_MAX_FEATURES and weight.shape[0] <= AUTO_MAX_FEATURES)
 
 
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
                 layer_std: dict[int, float]) -> list[PosteriorBlock]:
-    """One posterior block per trainable tensor (diagonal), per nn.Linear / nn.Conv2d (kronecker; other
-    tensors diagonal; "auto": those of `affordable_matrix_variate` layers, other tensors diagonal) or per module
+    """One posterior block per trainable tensor (diagonal), per weight matrix of an nn.Linear / nn.Conv1d-3d
+    (kronecker, `weight_matrices`; other tensors diagonal; "auto": where every matrix of the module
+    is `affordable_matrix_variate`, other tensors diagonal) or per module
     (full), its state in the optimizer's per-parameter `state`; the means are the parameters' current values (the
     matrix-variate blocks draw theirs when init is not "keep")."""
     std_init, alpha, init = settings["std_init"], settings["alpha"], settings["init"]
@@ -141,11 +150,16 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
         module_std = layer_std.get(id(module))  # init="alpha": one prior std per layer
         if posterior in ("kronecker", "full"):
             check_factor_dtype(name, direct[0].dtype, posterior)
-        if matrix_variate_layer(module, direct) and (
-                posterior == "kronecker" or posterior == AUTO and affordable_matrix_variate(module)):
-            if module.bias is not None and not module.bias.requires_grad:
-                raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
-            blocks.append(KroneckerBlock(module, state[module.weight], alpha, generator, init, implicit_mean))
+        matrices = weight_matrices(module, direct)
+        if matrices and (posterior == "kronecker" or posterior == AUTO and all(
+                affordable_matrix_variate(weight, bias) for weight, bias in matrices)):
+            for weight, bias in matrices:
+                if bias is not None and not bias.requires_grad:
+                    raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")
+                blocks.append(KroneckerBlock(module, state[weight], alpha, generator, init, implicit_mean,
+                                             (weight, bias)))
+            covered = {id(p) for matrix in matrices for p in matrix if p is not None}
+            diagonal = [p for p in direct if id(p) not in covered]
         elif posterior == "full":
             size = sum(p.numel() for p in direct)
             if size > max_full_params:
@@ -158,11 +172,13 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
                 )
             blocks.append(FullBlock(direct, state[direct[0]],
                                     module_std or initial_std(std_init, direct[0], module), module, implicit_mean))
+            diagonal = []
         else:
-            blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
-                                        settings["std_growth"], settings["cov_momentum"], implicit_mean,
-                                        settings["curvature_damping"])
-                          for p in direct)
+            diagonal = direct
+        blocks.extend(DiagonalBlock(p, state[p], module_std or initial_std(std_init, p, module), module,
+                                    settings["std_growth"], settings["cov_momentum"], implicit_mean,
+                                    settings["curvature_damping"])
+                      for p in diagonal)
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.padding_idx is not None \
                 and module.weight.requires_grad:
             table_block = next(b for b in blocks if any(p is module.weight for p in b.params))
