@@ -1,0 +1,171 @@
+"""The matrix-variate family on more layers (session 52): `FOOVB(model)` put a diagonal posterior on every
+nn.Conv1d and recurrent layer before, and now a matrix-variate one on their weight matrices. Both, on streams and
+models that the robustness grid does not hold, against SGD and Adam at their best of three learning rates per cell.
+
+Models (`--model`):
+* `conv1d`: an MNIST digit read as a sequence of 28 rows (28 channels, 28 steps): Conv1d(28, 32, 5, stride 2), ReLU,
+  Conv1d(32, 32, 3, stride 2), ReLU, Linear(160, outputs);
+* `gru`, `lstm`: the grid's recurrent model (a 14 x 14 digit read row by row by a 64-unit GRU, then a Linear head),
+  with an LSTM for `lstm`.
+The streams, batch sizes, examples per task, losses and metrics are the robustness grid's
+(`benchmarks/robustness_grid.py`: permuted, rotated, Split MNIST, i.i.d.); every learner of a cell and seed starts
+from the same weights and batches. Learners: `FOOVB(model)` (`matrix_variate`), the same with the model's Conv1d or
+recurrent layers diagonal as before (`diagonal_before`: only the family of those layers differs), `--matrices ih`
+(recurrent layers: only the input matrices weight_ih matrix-variate, a candidate), and the grid's baselines. Prints
+per cell the average accuracy (%) over tasks and the first task's, and the FOO-VB rows minus the best baseline.
+
+    python scripts/matrix_variate_layers.py [--model conv1d] [--seeds 0,1] [--cells permuted/16,...]
+        [--examples 3072] [--matrices all|ih] [--out FILE.jsonl] [--table FILE.md]
+
+Resumable (one line of --out per finished run); --table writes the printed rows as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import robustness_grid as grid  # noqa: E402
+
+from foovb import priors  # noqa: E402
+
+CELLS = [f"{stream}/{batch}" for stream in ("permuted", "rotated", "split", "iid") for batch in grid.BATCH_SIZES]
+BASELINES = [name for name in grid.learner_names() if not name.startswith("foovb_")]
+
+
+class RowConv(nn.Module):
+    """A digit's 28 rows as a sequence of 28 steps with 28 channels (the row's pixels)."""
+
+    def __init__(self, num_outputs: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv1d(28, 32, 5, stride=2), nn.ReLU(), nn.Conv1d(32, 32, 3, stride=2),
+                                  nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(160, num_outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x.squeeze(1).transpose(1, 2)))  # (n, 1, 28, 28) -> (n, 28 pixels, 28 rows)
+
+
+class RowLSTM(nn.Module):
+    """The grid's RowGRU with an LSTM."""
+
+    def __init__(self, num_outputs: int):
+        super().__init__()
+        self.lstm = nn.LSTM(14, 64, batch_first=True)
+        self.head = nn.Linear(64, num_outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = F.avg_pool2d(x, 2).squeeze(1)  # (n, 14, 14): 14 steps of 14 features
+        return self.head(self.lstm(rows)[0][:, -1])
+
+
+MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lstm": (RowLSTM, nn.RNNBase)}
+
+
+@contextlib.contextmanager
+def family(layer: type[nn.Module], learner: str, matrices: str) -> Iterator[None]:
+    """`priors.weight_matrices` as the learner needs it: `diagonal_before` none for `layer`, `--matrices ih` only
+    the recurrent input matrices; the library's otherwise."""
+    library = priors.weight_matrices
+
+    def chosen(module: nn.Module, direct: list) -> list:
+        pairs = library(module, direct)
+        if not isinstance(module, layer):
+            return pairs
+        if learner == "diagonal_before":
+            return []
+        names = {id(param): name for name, param in module.named_parameters()}
+        return [pair for pair in pairs if matrices == "all" or names[id(pair[0])].startswith("weight_ih")]
+
+    priors.weight_matrices = chosen
+    try:
+        yield
+    finally:
+        priors.weight_matrices = library
+
+
+def run(model: str, cell: str, learner: str, seed: int, examples: int, matrices: str) -> dict:
+    build, (kind, layer) = grid.build_model, MODELS[model]
+    grid.build_model = lambda name, outputs: kind(outputs)
+    try:
+        job = dict(cell=f"mlp/{cell}", learner=learner if learner in BASELINES else "foovb_kronecker",
+                   tag=model, seed=seed, examples=examples, data_dir=None, candidate={})
+        with family(layer, learner, matrices):
+            record = grid.run_one(job)  # the cell's stream is the MLP's (the same images); the model is `kind`
+    finally:
+        grid.build_model = build
+    return {**record, "cell": cell, "learner": learner, "model": model}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="conv1d")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--examples", type=int, default=3072)
+    parser.add_argument("--matrices", choices=("all", "ih"), default="all",
+                        help="recurrent layers: every weight matrix matrix-variate (the library's), or weight_ih only")
+    parser.add_argument("--out", type=Path, default=Path("runs/matrix_variate_layers.jsonl"))
+    parser.add_argument("--table", type=Path, help="also write the rows as a markdown table here")
+    args = parser.parse_args()
+    seeds, cells = [int(s) for s in args.seeds.split(",")], args.cells.split(",")
+    mine = "matrix_variate" if args.matrices == "all" else "matrix_variate_ih"
+    learners = [mine, "diagonal_before", *BASELINES]
+    done = {}
+    if args.out.is_file():  # resumable: one line per finished run
+        for line in args.out.read_text().splitlines():
+            record = json.loads(line)
+            done[(record.get("model", "conv1d"), record["cell"], record["learner"], record["seed"],
+                  record["examples"])] = record
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table = [f"| cell | best baseline: average (first task) | `FOOVB(model)`, {args.model} matrix-variate"
+             f"{' (weight_ih only)' if args.matrices == 'ih' else ''}: average (first task), vs the best baseline | "
+             f"the same, {args.model} diagonal (before): average (first task), vs the best baseline |",
+             "|---|---|---|---|"]
+    for cell in cells:
+        for learner in learners:
+            for seed in seeds:
+                key = (args.model, cell, learner, seed, args.examples)
+                if key not in done:
+                    done[key] = run(args.model, cell, learner, seed, args.examples, args.matrices)
+                    with args.out.open("a") as file:
+                        file.write(json.dumps(done[key]) + "\n")
+        rows = {}
+        for learner in learners:
+            records = [done[(args.model, cell, learner, seed, args.examples)] for seed in seeds]
+            if any(r["diverged"] for r in records):
+                rows[learner] = None
+                continue
+            rows[learner] = (statistics.fmean(statistics.fmean(r["tasks"]) for r in records),
+                             statistics.fmean(r["tasks"][0] for r in records))
+        # as the grid: each of SGD and Adam at its lr of the best average; the better average, the better first task
+        tuned = [max((value for name, value in rows.items() if name.startswith(kind) and value), default=(0, 0))
+                 for kind in ("sgd_", "adam_")]
+        best = (max(value[0] for value in tuned), max(value[1] for value in tuned))
+        line = [f"{cell:13s} best baseline {best[0]:5.1f} (first {best[1]:5.1f})"]
+        cells_md = [cell, f"{best[0]:.1f} ({best[1]:.1f})"]
+        for learner in (mine, "diagonal_before"):
+            value = rows[learner]
+            line.append(f"{learner} diverged" if value is None else
+                        f"{learner} {value[0]:5.1f} ({value[0] - best[0]:+5.1f}; first {value[1]:5.1f}, "
+                        f"{value[1] - best[1]:+5.1f})")
+            cells_md.append("diverged" if value is None else
+                            f"{value[0]:.1f} ({value[1]:.1f}), {value[0] - best[0]:+.1f} ({value[1] - best[1]:+.1f})")
+        print(" | ".join(line), flush=True)
+        table.append("| " + " | ".join(cells_md) + " |")
+    if args.table:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.write_text("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
