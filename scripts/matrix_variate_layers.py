@@ -1,6 +1,7 @@
 """The matrix-variate family on more layers (session 52): `FOOVB(model)` put a diagonal posterior on every
-nn.Conv1d and recurrent layer before, and now a matrix-variate one on their weight matrices. Both, on streams and
-models that the robustness grid does not hold, against SGD and Adam at their best of three learning rates per cell.
+nn.Conv1d before and now a matrix-variate one; recurrent layers stay diagonal under `FOOVB(model)` and get one
+matrix-variate block per weight matrix under `FOOVB(model, "kronecker")`. Both families of those layers, on streams
+and models that the robustness grid does not hold, against SGD and Adam at their best of three learning rates.
 
 Models (`--model`):
 * `conv1d`: an MNIST digit read as a sequence of 28 rows (28 channels, 28 steps): Conv1d(28, 32, 5, stride 2), ReLU,
@@ -9,10 +10,12 @@ Models (`--model`):
   with an LSTM for `lstm`.
 The streams, batch sizes, examples per task, losses and metrics are the robustness grid's
 (`benchmarks/robustness_grid.py`: permuted, rotated, Split MNIST, i.i.d.); every learner of a cell and seed starts
-from the same weights and batches. Learners: `FOOVB(model)` (`matrix_variate`), the same with the model's Conv1d or
-recurrent layers diagonal as before (`diagonal_before`: only the family of those layers differs), `--matrices ih`
-(recurrent layers: only the input matrices weight_ih matrix-variate, a candidate), and the grid's baselines. Prints
-per cell the average accuracy (%) over tasks and the first task's, and the FOO-VB rows minus the best baseline.
+from the same weights and batches. Learners: `matrix_variate` (conv1d: `FOOVB(model)`; gru, lstm: `FOOVB(model,
+"kronecker")`, the same as `FOOVB(model)` with matrix-variate recurrent layers), `diagonal_before` (the model's
+Conv1d or recurrent layers diagonal: conv1d, `FOOVB(model)` before session 52; gru, lstm: `FOOVB(model)`; only the
+family of those layers differs), `--matrices ih` (recurrent layers: only the input matrices weight_ih
+matrix-variate, a candidate not kept), and the grid's baselines. Prints per cell the average accuracy (%) over tasks
+and the first task's, and the FOO-VB rows minus the best baseline.
 
     python scripts/matrix_variate_layers.py [--model conv1d] [--seeds 0,1] [--cells permuted/16,...]
         [--examples 3072] [--matrices all|ih] [--out FILE.jsonl] [--table FILE.md]
@@ -75,7 +78,7 @@ MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lst
 def family(layer: type[nn.Module], learner: str, matrices: str) -> Iterator[None]:
     """`priors.weight_matrices` as the learner needs it: `diagonal_before` none for `layer`, `--matrices ih` only
     the recurrent input matrices; the library's otherwise."""
-    library = priors.weight_matrices
+    library, auto = priors.weight_matrices, priors.auto_matrix_variate
 
     def chosen(module: nn.Module, direct: list) -> list:
         pairs = library(module, direct)
@@ -87,10 +90,13 @@ def family(layer: type[nn.Module], learner: str, matrices: str) -> Iterator[None
         return [pair for pair in pairs if matrices == "all" or names[id(pair[0])].startswith("weight_ih")]
 
     priors.weight_matrices = chosen
+    if layer is nn.RNNBase:  # "auto" with the recurrent matrices: posterior="kronecker" on these models
+        priors.auto_matrix_variate = lambda module, matrices: all(
+            priors.affordable_matrix_variate(weight, bias) for weight, bias in matrices)
     try:
         yield
     finally:
-        priors.weight_matrices = library
+        priors.weight_matrices, priors.auto_matrix_variate = library, auto
 
 
 def run(model: str, cell: str, learner: str, seed: int, examples: int, matrices: str) -> dict:
@@ -127,10 +133,12 @@ def main() -> None:
             done[(record.get("model", "conv1d"), record["cell"], record["learner"], record["seed"],
                   record["examples"])] = record
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    table = [f"| cell | best baseline: average (first task) | `FOOVB(model)`, {args.model} matrix-variate"
-             f"{' (weight_ih only)' if args.matrices == 'ih' else ''}: average (first task), vs the best baseline | "
-             f"the same, {args.model} diagonal (before): average (first task), vs the best baseline |",
-             "|---|---|---|---|"]
+    recurrent = MODELS[args.model][1] is nn.RNNBase
+    mine_label = (('`FOOVB(model, "kronecker")`' if recurrent else "`FOOVB(model)`")
+                  + f", {args.model} matrix-variate" + (" (weight_ih only)" if args.matrices == "ih" else ""))
+    before_label = "`FOOVB(model)`, recurrent layers diagonal" if recurrent else "the same, Conv1d diagonal (before)"
+    table = [f"| cell | best baseline: average (first task) | {mine_label}: average (first task), vs the best "
+             f"baseline | {before_label}: average (first task), vs the best baseline |", "|---|---|---|---|"]
     for cell in cells:
         for learner in learners:
             for seed in seeds:

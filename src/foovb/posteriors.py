@@ -317,7 +317,8 @@ def output_layer_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock
 
 
 class KroneckerBlock(PosteriorBlock):
-    """Matrix-variate Gaussian over a Linear / Conv1d / Conv2d / Conv3d layer (Algorithm 3).
+    """Matrix-variate Gaussian over a Linear / Conv1d / Conv2d / Conv3d layer, or one weight matrix of a recurrent
+    layer (Algorithm 3).
 
     The weight, reshaped to p x n_in (conv: out x in*kh*kw), with the bias appended as an extra input column,
     is W = M + B Phi A^T: `input_sqrt_cov` A (n x n, Sigma_1 = A A^T) and `output_sqrt_cov` B (p x p,

@@ -106,14 +106,24 @@ def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple
     """The (weight, bias or None) matrices of `module` that the matrix-variate posterior covers, one block each
     (none: its trainable `direct` parameters go diagonal):
 
-    an nn.Linear or nn.Conv1d / 2d / 3d whose trainable parameters are its weight (a parameter, not e.g.
-    weight_norm's computed weight, and trainable: a frozen weight leaves a diagonal bias) and bias."""
+    * an nn.Linear or nn.Conv1d / 2d / 3d whose trainable parameters are its weight (a parameter, not e.g.
+      weight_norm's computed weight, and trainable: a frozen weight leaves a diagonal bias) and bias;
+    * a recurrent layer (nn.RNN, nn.GRU, nn.LSTM; since session 52) with every parameter trainable: each weight
+      matrix with its bias (weight_ih_l0 with bias_ih_l0, weight_hh_l0 with bias_hh_l0, ..., an LSTM's projection
+      weight_hr_l0 alone). The paper's matrix-variate Gaussian is a family for any weight matrix: its update
+      (Algorithm 3) reads only the samples' gradients."""
     if isinstance(module, MATRIX_VARIATE_LAYERS):
         weight = module.weight
         if (isinstance(weight, nn.Parameter) and weight.requires_grad
                 and all(p is weight or p is module.bias for p in direct)):
             return [(weight, module.bias)]
         return []
+    if isinstance(module, nn.RNNBase):
+        named = dict(module.named_parameters(recurse=False))
+        if len(direct) < len(named):
+            return []
+        return [(param, named.get("bias_" + name.removeprefix("weight_")))
+                for name, param in named.items() if name.startswith("weight_")]
     return []
 
 
@@ -126,6 +136,17 @@ def affordable_matrix_variate(weight: Tensor, bias: Tensor | None) -> bool:
     return (weight.dtype in (torch.float32, torch.float64)
             and (bias is None or bias.requires_grad)
             and weight[0].numel() <= AUTO_MAX_FEATURES and weight.shape[0] <= AUTO_MAX_FEATURES)
+
+
+def auto_matrix_variate(module: nn.Module, matrices: list[tuple[nn.Parameter, nn.Parameter | None]]) -> bool:
+    """posterior="auto": whether a layer's `weight_matrices` get Algorithm 3: every one `affordable_matrix_variate`,
+    and not a recurrent layer. Matrix-variate recurrent layers (posterior="kronecker", session 52) kept more of
+    drifting streams (a GRU on MNIST rows: +4 to +18 points on rotated, +4 to +8 on Split MNIST, +8 to +15 on a
+    permuted stream), but lost plasticity and stability elsewhere: i.i.d. MNIST rows at batch 16 3.4-4.0 points, a
+    2-layer bidirectional LSTM 9 points on a counting stream, and an LSTM's step cost 1.6x
+    (docs/results/matrix_variate_layers.md)."""
+    return not isinstance(module, nn.RNNBase) and all(affordable_matrix_variate(weight, bias)
+                                                      for weight, bias in matrices)
 
 
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
@@ -151,8 +172,7 @@ def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, poste
         if posterior in ("kronecker", "full"):
             check_factor_dtype(name, direct[0].dtype, posterior)
         matrices = weight_matrices(module, direct)
-        if matrices and (posterior == "kronecker" or posterior == AUTO and all(
-                affordable_matrix_variate(weight, bias) for weight, bias in matrices)):
+        if matrices and (posterior == "kronecker" or posterior == AUTO and auto_matrix_variate(module, matrices)):
             for weight, bias in matrices:
                 if bias is not None and not bias.requires_grad:
                     raise ValueError(f"module {name!r}: a frozen bias with a trainable weight is not supported")

@@ -1,0 +1,126 @@
+"""The matrix-variate family on recurrent layers (posterior="kronecker", session 52; "auto" keeps them diagonal):
+one block per weight matrix with its bias (weight_ih_l0 with bias_ih_l0, weight_hh_l0 with bias_hh_l0, an LSTM's
+projection alone), and the update of Algorithm 3 on them against a direct computation from each sample's gradients
+(autograd at the sampled weights, rebuilt from the step's noise)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_generator, random_sqrt
+from torch import nn
+
+from foovb import FOOVB, solve_fixed_point
+from foovb.posteriors import KroneckerBlock
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+F64 = torch.float64
+
+
+class Reader(nn.Module):
+    """A recurrent layer read at its last step, then a Linear head."""
+
+    def __init__(self, kind: str, **options):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(3, 5, batch_first=True, **options)
+        width = options.get("proj_size") or 5
+        self.head = nn.Linear(width * (2 if options.get("bidirectional") else 1), 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def families(model: nn.Module, opt: FOOVB) -> list[tuple[str, list[str]]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(block.family, [names[id(p)] for p in block.params]) for block in opt.blocks]
+
+
+@pytest.mark.parametrize(("kind", "options", "matrices"), [
+    ("GRU", {}, [["rnn.weight_ih_l0", "rnn.bias_ih_l0"], ["rnn.weight_hh_l0", "rnn.bias_hh_l0"]]),
+    ("RNN", {"bias": False}, [["rnn.weight_ih_l0"], ["rnn.weight_hh_l0"]]),
+    ("LSTM", {"proj_size": 2}, [["rnn.weight_ih_l0", "rnn.bias_ih_l0"], ["rnn.weight_hh_l0", "rnn.bias_hh_l0"],
+                                ["rnn.weight_hr_l0"]]),
+    ("LSTM", {"num_layers": 2, "bidirectional": True},
+     [[f"rnn.weight_{m}_l{layer}{d}", f"rnn.bias_{m}_l{layer}{d}"] for layer in (0, 1) for d in ("", "_reverse")
+      for m in ("ih", "hh")]),
+])
+def test_every_weight_matrix_of_a_recurrent_layer_is_a_matrix_variate_block(kind, options, matrices):
+    torch.manual_seed(0)
+    model = Reader(kind, **options)
+    got = families(model, FOOVB(model, "kronecker"))
+    assert sorted(names for family, names in got if family == "kronecker") == sorted(
+        matrices + [["head.weight", "head.bias"]])
+    assert all(family == "kronecker" for family, _ in got)
+    auto = families(model, FOOVB(model))  # "auto": the recurrent layer diagonal, one block per tensor
+    assert auto == [("diagonal", [name]) for name, _ in model.rnn.named_parameters(prefix="rnn")] + [
+        ("kronecker", ["head.weight", "head.bias"])]
+
+
+def test_a_partly_frozen_recurrent_layer_is_diagonal():
+    torch.manual_seed(0)
+    model = Reader("GRU")
+    model.rnn.weight_hh_l0.requires_grad_(False)
+    got = families(model, FOOVB(model, "kronecker"))
+    assert ("diagonal", ["rnn.weight_ih_l0"]) in got and ("diagonal", ["rnn.bias_hh_l0"]) in got
+    assert [names for family, names in got if family == "kronecker"] == [["head.weight", "head.bias"]]
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_recurrent_update_matches_algorithm_3_from_each_samples_gradient(kind):
+    """One step on a summed cross-entropy: rebuild Phi_k of every block from the step's noise stream, set the
+    sampled weights W_k = M + B Phi_k A^T, take each sample's gradients Psi_k by autograd, and the paper's update:
+    M <- M - B B^T E1 A A^T, Sigma_1 <- Lemma 2 with E2 = mean Psi^T B Phi / p, Sigma_2 with E3 = mean Psi A Phi^T / n
+    (prior's covariance in the mean step, no step prior or secant check)."""
+    torch.manual_seed(0)
+    model = Reader(kind).double()
+    k_samples = 3
+    opt = FOOVB(model, "kronecker", k_samples, init="keep", loss_reduction="sum", antithetic=False,
+                implicit_mean=False, cov_step=1.0, mean_step=1.0, secant_check=False, step_prior=1,
+                diagonal_output_factor=False, seed=3)
+    gen = make_generator(2)
+    for block in opt.blocks:
+        block.state["mean"].copy_(0.5 * torch.randn(block.state["mean"].shape, generator=gen, dtype=F64))
+        for key in ("input_sqrt_cov", "output_sqrt_cov"):
+            block.state[key] = 0.3 * random_sqrt(block.state[key].shape[0], gen)
+    opt.load_mean_into_model()
+    x = torch.randn(4, 6, 3, generator=gen, dtype=F64)
+    y = torch.randint(0, 2, (4,), generator=gen)
+    before = {block: {key: block.state[key].clone() for key in ("mean", "input_sqrt_cov", "output_sqrt_cov")}
+              for block in opt.blocks}
+    probe = torch.Generator()  # the step's seed is the next draw of the optimizer's generator (FOOVB._next_seed)
+    probe.set_state(opt.generator.get_state())
+    noise = opt.draw_noise(int(torch.randint(2**62, (1,), generator=probe).item()), range(k_samples))
+    psi = {block: [] for block in opt.blocks}
+    for k in range(k_samples):
+        with torch.no_grad():
+            for block in opt.blocks:
+                m, a, b = (before[block][key] for key in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
+                for param, value in zip(block.params, block.split(m + b @ noise[block][k] @ a.T), strict=True):
+                    param.copy_(value)
+        model.zero_grad()
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        for block in opt.blocks:
+            psi[block].append(block.join([p.grad[None] for p in block.params])[0])
+    model.zero_grad()
+    opt.load_mean_into_model()
+
+    def closure():
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    recurrent = [block for block in opt.blocks if block.module is model.rnn]
+    assert len(recurrent) == 2 and all(isinstance(block, KroneckerBlock) for block in recurrent)
+    for block in opt.blocks:
+        m, a, b = (before[block][key] for key in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
+        p, n = m.shape
+        phi = noise[block]
+        e1 = sum(psi[block]) / k_samples
+        e2 = sum(ps.T @ b @ f for ps, f in zip(psi[block], phi, strict=True)) / (p * k_samples)
+        e3 = sum(ps @ a @ f.T for ps, f in zip(psi[block], phi, strict=True)) / (n * k_samples)
+        torch.testing.assert_close(block.state["mean"], m - b @ b.T @ e1 @ a @ a.T, rtol=1e-9, atol=1e-11)
+        x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
+        new_a, new_b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
+        torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=1e-8, atol=1e-11)
+        torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=1e-8, atol=1e-11)
