@@ -100,7 +100,7 @@ def test_norm_layers_take_the_paper_sigma_init_and_convolutions_their_own():
 
 def test_the_matrix_variate_fallback_blocks_use_the_per_layer_rule():
     lstm_model = nn.LSTM(8, 5)
-    opt = FOOVB(lstm_model, "kronecker")  # nn.LSTM's parameters fall back to diagonal blocks
+    opt = FOOVB(lstm_model)  # "auto", the kronecker family's settings: nn.LSTM's parameters fall back to diagonal
     std = opt.posterior(lstm_model.weight_hh_l0).std  # (20, 5): fan_in 5, fan_out 20
     torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 / 25)))
 
