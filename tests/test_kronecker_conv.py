@@ -174,6 +174,22 @@ def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
         torch.testing.assert_close(conv.bias.detach(), bias, rtol=0, atol=1e-12)
 
 
+def test_a_state_dict_saved_when_conv1d_was_diagonal_says_so(monkeypatch):
+    """FOOVB(model) made nn.Conv1d diagonal before session 52: its state dicts failed with "does not fit this model"
+    and a shape, the same model."""
+    from foovb import priors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+    with monkeypatch.context() as patch:
+        patch.setattr(priors, "MATRIX_VARIATE_LAYERS", (nn.Linear, nn.Conv2d))
+        saved = FOOVB(model).state_dict()
+    opt = FOOVB(model)
+    with pytest.raises(ValueError, match="holds a diagonal posterior where this FOOVB keeps the kronecker posterior "
+                                         r"of parameter 0 \(shape \(3, 2, 3\)\).*since session 52 nn.Conv1d"):
+        opt.load_state_dict(saved)
+
+
 def _mnist_cnn_accuracy(steps: int = 100, batch: int = 64, **options) -> float:
     data = pytest.importorskip("foovb_suite.data")
     try:

@@ -3,6 +3,8 @@ one block per weight matrix with its bias (weight_ih_l0 with bias_ih_l0, weight_
 projection alone), and the update of Algorithm 3 on them against a direct computation from each sample's gradients
 (autograd at the sampled weights, rebuilt from the step's noise)."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,13 +58,46 @@ def test_every_weight_matrix_of_a_recurrent_layer_is_a_matrix_variate_block(kind
         ("kronecker", ["head.weight", "head.bias"])]
 
 
-def test_a_partly_frozen_recurrent_layer_is_diagonal():
+def test_a_frozen_recurrent_weight_leaves_its_bias_diagonal_and_a_frozen_bias_is_refused():
+    """As for a Linear layer. The whole layer went diagonal, silently, when any of its tensors was frozen."""
     torch.manual_seed(0)
     model = Reader("GRU")
     model.rnn.weight_hh_l0.requires_grad_(False)
     got = families(model, FOOVB(model, "kronecker"))
-    assert ("diagonal", ["rnn.weight_ih_l0"]) in got and ("diagonal", ["rnn.bias_hh_l0"]) in got
-    assert [names for family, names in got if family == "kronecker"] == [["head.weight", "head.bias"]]
+    assert ("kronecker", ["rnn.weight_ih_l0", "rnn.bias_ih_l0"]) in got and ("diagonal", ["rnn.bias_hh_l0"]) in got
+    assert not any("rnn.weight_hh_l0" in names for _, names in got)
+    model.rnn.weight_hh_l0.requires_grad_(True)
+    model.rnn.bias_ih_l0.requires_grad_(False)
+    with pytest.raises(ValueError, match="'rnn': a frozen bias with a trainable weight is not supported"):
+        FOOVB(model, "kronecker")
+
+
+def test_freezing_half_of_a_recurrent_matrix_after_building_names_the_pair():
+    torch.manual_seed(0)
+    model = Reader("LSTM")
+    opt = FOOVB(model, "kronecker")
+    model.rnn.weight_hh_l0.requires_grad_(False)
+    x, y = torch.randn(4, 6, 3), torch.randint(0, 2, (4,))
+
+    def closure():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="LSTM covers its weight_hh_l0 and bias_hh_l0 together"):
+        opt.step(closure)
+
+
+def test_cells_are_matrix_variate_and_weight_normed_layers_diagonal():
+    torch.manual_seed(0)
+    cell = nn.GRUCell(3, 4)
+    assert families(cell, FOOVB(cell, "kronecker")) == [("kronecker", ["weight_ih", "bias_ih"]),
+                                                         ("kronecker", ["weight_hh", "bias_hh"])]
+    assert {family for family, _ in families(cell, FOOVB(cell))} == {"diagonal"}  # "auto"
+    with warnings.catch_warnings():  # torch's deprecation of weight_norm (still the form users have)
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = nn.utils.weight_norm(nn.LSTM(3, 4), "weight_hh_l0")  # weight_hh_l0 computed: as a Linear's
+    assert {family for family, _ in families(normed, FOOVB(normed, "kronecker"))} == {"diagonal"}
 
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])

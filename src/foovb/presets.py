@@ -9,7 +9,8 @@ The arguments of FOOVB:
         kronecker family's settings (on the robustness grid the matrix-variate family beat the diagonal one in most
         cells: docs/results.md, "A default that holds");
         "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
-        Algorithm 3, per nn.Linear / nn.Conv1d-3d whose parameters are its weight and bias; other parameters,
+        Algorithm 3, per nn.Linear / nn.Conv1d-3d whose parameters are its weight and bias, and per weight matrix of
+        a recurrent layer or cell with its bias; other parameters,
         e.g. weight_norm's weight_g / weight_v, fall back to diagonal) or "full"
         (multivariate, Algorithm 2, one full covariance per module; small layers only).
     mc_samples: K, Monte Carlo samples per step (the paper uses 10; K <= 2 is unstable).
@@ -321,6 +322,9 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
                           required=CALIBRATED if block in widened else ())
 
 
+FAMILY_KEYS = {"std": "diagonal", "input_sqrt_cov": "kronecker", "sqrt_cov": "full"}  # the entry only it keeps
+
+
 def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = ()) -> None:
     """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
     the block keeps (and each optional entry present, or `required`: step_prior's v0 and V) of its shape and of its
@@ -330,6 +334,14 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
     are: Lemma 2 keeps them nonsingular), and diagonal where the block keeps it so (diagonal_output_factor). O(size):
     no decomposition."""
     name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
+    saved_family = next((family for key, family in FAMILY_KEYS.items() if key in saved), block.family)
+    if saved_family != block.family:
+        raise ValueError(
+            f"the state dict holds a {saved_family} posterior where this FOOVB keeps {name}: it was saved with "
+            "another `posterior`, or by a foovb whose FOOVB(model) chose another family for the layer (since "
+            "session 52 nn.Conv1d / nn.Conv3d are matrix-variate: docs/CHANGELOG.md); build the optimizer with the "
+            "posterior it was saved with, resume with the foovb that saved it, or load only the model's weights into "
+            "a new FOOVB (its covariance starts from the prior); nothing was loaded")
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
     own_state.update({key: block.state["mean"].new_zeros(()) if like is None else block.state[like]
                       for key, like in block.optional_state.items() if key in saved or key in required})

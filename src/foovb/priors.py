@@ -95,7 +95,8 @@ def check_factor_dtype(name: str, dtype: torch.dtype, posterior: str) -> None:
     precision, where the updates of those factors round away and their products are slow on CPU."""
     if dtype in (torch.float16, torch.bfloat16):
         raise ValueError(
-            f"module {name!r} has {dtype} parameters: the {posterior} posterior keeps its covariance square roots "
+            f"{f'module {name!r}' if name else 'the model itself'} has {dtype} parameters: the {posterior} "
+            "posterior keeps its covariance square roots "
             f"in the parameters' dtype, where the fixed-point updates round away (8 bits of mantissa for bfloat16, "
             f"11 for float16) and its matrix products run ~18x slower on CPU (measured, bfloat16). Keep the model "
             "in float32 and run the forward and backward under torch.autocast(..., dtype=torch.bfloat16), which "
@@ -108,9 +109,10 @@ def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple
 
     * an nn.Linear or nn.Conv1d / 2d / 3d whose trainable parameters are its weight (a parameter, not e.g.
       weight_norm's computed weight, and trainable: a frozen weight leaves a diagonal bias) and bias;
-    * a recurrent layer (nn.RNN, nn.GRU, nn.LSTM; since session 52) with every parameter trainable: each weight
-      matrix with its bias (weight_ih_l0 with bias_ih_l0, weight_hh_l0 with bias_hh_l0, ..., an LSTM's projection
-      weight_hr_l0 alone). The paper's matrix-variate Gaussian is a family for any weight matrix: its update
+    * a recurrent layer (nn.RNN, nn.GRU, nn.LSTM and their cells; since session 52): each trainable weight matrix
+      with its bias (weight_ih_l0 with bias_ih_l0, weight_hh_l0 with bias_hh_l0, ..., an LSTM's projection
+      weight_hr_l0 alone; the bias of a frozen weight diagonal), none where weight_norm or a parametrization
+      computes a weight. The paper's matrix-variate Gaussian is a family for any weight matrix: its update
       (Algorithm 3) reads only the samples' gradients."""
     if isinstance(module, MATRIX_VARIATE_LAYERS):
         weight = module.weight
@@ -118,12 +120,14 @@ def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple
                 and all(p is weight or p is module.bias for p in direct)):
             return [(weight, module.bias)]
         return []
-    if isinstance(module, nn.RNNBase):
+    if isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
         named = dict(module.named_parameters(recurse=False))
-        if len(direct) < len(named):
+        weights = (getattr(module, "_flat_weights_names", []) if isinstance(module, nn.RNNBase)
+                   else ["weight_ih", "weight_hh", "bias_ih", "bias_hh"])  # torch's names of the layer's tensors
+        if not weights or any(name not in named for name in weights):  # weight_norm / parametrize: as a Linear's
             return []
-        return [(param, named.get("bias_" + name.removeprefix("weight_")))
-                for name, param in named.items() if name.startswith("weight_")]
+        return [(named[name], named.get("bias_" + name.removeprefix("weight_"))) for name in weights
+                if name.startswith("weight_") and named[name].requires_grad]  # a frozen weight leaves its bias
     return []
 
 
@@ -141,11 +145,11 @@ def affordable_matrix_variate(weight: Tensor, bias: Tensor | None) -> bool:
 def auto_matrix_variate(module: nn.Module, matrices: list[tuple[nn.Parameter, nn.Parameter | None]]) -> bool:
     """posterior="auto": whether a layer's `weight_matrices` get Algorithm 3: every one `affordable_matrix_variate`,
     and not a recurrent layer. Matrix-variate recurrent layers (posterior="kronecker", session 52) kept more of
-    drifting streams (a GRU on MNIST rows: +4 to +18 points on rotated, +4 to +8 on Split MNIST, +8 to +15 on a
+    drifting streams (a GRU on MNIST rows, average: +4 to +18 points on rotated, +4 to +8 on Split MNIST, +8 to +15 on a
     permuted stream), but lost plasticity and stability elsewhere: i.i.d. MNIST rows at batch 16 3.4-4.0 points, a
-    2-layer bidirectional LSTM 9 points on a counting stream, and an LSTM's step cost 1.6x
+    2-layer bidirectional LSTM 9 points on a counting stream, and an LSTM's step cost 1.6x (32-48 units) to 10x (256)
     (docs/results/matrix_variate_layers.md)."""
-    return not isinstance(module, nn.RNNBase) and all(affordable_matrix_variate(weight, bias)
+    return not isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and all(affordable_matrix_variate(weight, bias)
                                                       for weight, bias in matrices)
 
 

@@ -103,9 +103,12 @@ def trainable_blocks(blocks: list[PosteriorBlock]) -> list[PosteriorBlock]:
     for block in blocks:
         trainable = {p.requires_grad for p in block.params}
         if len(trainable) > 1:
-            raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its "
-                             "weight and bias together: freeze or unfreeze both (one of them was changed with "
-                             "requires_grad_ after the optimizer was built)")
+            names = {id(p): name for name, p in (block.module.named_parameters(recurse=False)
+                                                  if block.module is not None else ())}
+            pair = " and ".join(names.get(id(p), "?") for p in block.params)
+            raise ValueError(f"the {block.family} posterior of a {type(block.module).__name__} covers its {pair} "
+                             "together: freeze or unfreeze both (one of them was changed with requires_grad_ after "
+                             "the optimizer was built)")
         if trainable == {True}:
             trainable_now.append(block)
     if not trainable_now:
