@@ -33,7 +33,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -58,17 +57,12 @@ class RowConv(nn.Module):
         return self.head(self.body(x.squeeze(1).transpose(1, 2)))  # (n, 1, 28, 28) -> (n, 28 pixels, 28 rows)
 
 
-class RowLSTM(nn.Module):
-    """The grid's RowGRU with an LSTM."""
+class RowLSTM(grid.RowGRU):
+    """The grid's RowGRU with an LSTM in the GRU's place (its attribute keeps the name)."""
 
     def __init__(self, num_outputs: int):
-        super().__init__()
-        self.lstm = nn.LSTM(14, 64, batch_first=True)
-        self.head = nn.Linear(64, num_outputs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = F.avg_pool2d(x, 2).squeeze(1)  # (n, 14, 14): 14 steps of 14 features
-        return self.head(self.lstm(rows)[0][:, -1])
+        super().__init__(num_outputs)
+        self.gru = nn.LSTM(14, 64, batch_first=True)  # the forward reads [0], the outputs, of either
 
 
 MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lstm": (RowLSTM, nn.RNNBase)}
