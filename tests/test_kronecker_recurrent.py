@@ -94,6 +94,8 @@ def test_cells_are_matrix_variate_and_weight_normed_layers_diagonal():
     assert families(cell, FOOVB(cell, "kronecker")) == [("kronecker", ["weight_ih", "bias_ih"]),
                                                          ("kronecker", ["weight_hh", "bias_hh"])]
     assert {family for family, _ in families(cell, FOOVB(cell))} == {"diagonal"}  # "auto"
+    plain = nn.RNNCell(3, 4, bias=False)  # (the whole cell went diagonal: its missing biases read as computed)
+    assert families(plain, FOOVB(plain, "kronecker")) == [("kronecker", ["weight_ih"]), ("kronecker", ["weight_hh"])]
     with warnings.catch_warnings():  # torch's deprecation of weight_norm (still the form users have)
         warnings.simplefilter("ignore", FutureWarning)
         normed = nn.utils.weight_norm(nn.LSTM(3, 4), "weight_hh_l0")  # weight_hh_l0 computed: as a Linear's

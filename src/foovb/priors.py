@@ -122,8 +122,9 @@ def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple
         return []
     if isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
         named = dict(module.named_parameters(recurse=False))
-        weights = (getattr(module, "_flat_weights_names", []) if isinstance(module, nn.RNNBase)
-                   else ["weight_ih", "weight_hh", "bias_ih", "bias_hh"])  # torch's names of the layer's tensors
+        weights = (getattr(module, "_flat_weights_names", []) if isinstance(module, nn.RNNBase)  # torch's names
+                   else [name for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")  # of the layer's tensors
+                         if getattr(module, name, None) is not None])
         if not weights or any(name not in named for name in weights):  # weight_norm / parametrize: as a Linear's
             return []
         return [(named[name], named.get("bias_" + name.removeprefix("weight_"))) for name in weights
@@ -149,15 +150,15 @@ def auto_matrix_variate(module: nn.Module, matrices: list[tuple[nn.Parameter, nn
     permuted stream), but lost plasticity and stability elsewhere: i.i.d. MNIST rows at batch 16 3.4-4.0 points, a
     2-layer bidirectional LSTM 9 points on a counting stream, and an LSTM's step cost 1.6x (32-48 units) to 10x (256)
     (docs/results/matrix_variate_layers.md)."""
-    return not isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and all(affordable_matrix_variate(weight, bias)
-                                                      for weight, bias in matrices)
+    recurrent = isinstance(module, (nn.RNNBase, nn.RNNCellBase))
+    return not recurrent and all(affordable_matrix_variate(weight, bias) for weight, bias in matrices)
 
 
 def make_blocks(model: nn.Module, state: dict, generator: torch.Generator, posterior: str, settings: dict,
                 layer_std: dict[int, float]) -> list[PosteriorBlock]:
-    """One posterior block per trainable tensor (diagonal), per weight matrix of an nn.Linear / nn.Conv1d-3d
-    (kronecker, `weight_matrices`; other tensors diagonal; "auto": where every matrix of the module
-    is `affordable_matrix_variate`, other tensors diagonal) or per module
+    """One posterior block per trainable tensor (diagonal), per weight matrix of an nn.Linear / nn.Conv1d-3d or a
+    recurrent layer (kronecker, `weight_matrices`; other tensors diagonal; "auto": the layers of
+    `auto_matrix_variate`, other tensors diagonal) or per module
     (full), its state in the optimizer's per-parameter `state`; the means are the parameters' current values (the
     matrix-variate blocks draw theirs when init is not "keep")."""
     std_init, alpha, init = settings["std_init"], settings["alpha"], settings["init"]

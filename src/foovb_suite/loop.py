@@ -102,7 +102,7 @@ class TrainingLoop:
             self.saved_at, self.saving = iteration, None
         self.tic = self.saved_tic = time.perf_counter()
 
-    def train(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
+    def train(self, bar, stop_after: int | None, interrupt_requested: Callable[[], int | None]) -> int | None:
         """Train to the end (returns None) or to `stop_after` iterations (returns it, checkpointed). Raises
         `TrainingDiverged` and, on Ctrl-C, `RunInterrupted` (checkpointed after the last completed iteration
         unless a second Ctrl-C stopped it at once)."""
@@ -114,7 +114,7 @@ class TrainingLoop:
             raise RunInterrupted(self._kept_checkpoint(), self.saved_at,
                                  getattr(error, "signal_number", signal.SIGINT)) from error
 
-    def _iterate(self, bar, stop_after: int | None, interrupt_requested: Callable[[], bool]) -> int | None:
+    def _iterate(self, bar, stop_after: int | None, interrupt_requested: Callable[[], int | None]) -> int | None:
         running_loss, last_average = None, average_so_far(self.records[-1]) if self.records else float("nan")
         for iteration, batch in self.scenario.batches(self.start):
             loss = self._observe(iteration, batch)
