@@ -124,7 +124,7 @@ def main() -> None:
     if args.out.is_file():  # resumable: one line per finished run
         for line in args.out.read_text().splitlines():
             record = json.loads(line)
-            done[(record.get("model", "conv1d"), record["cell"], record["learner"], record["seed"],
+            done[(record["model"], record["cell"], record["learner"], record["seed"],
                   record["examples"])] = record
     args.out.parent.mkdir(parents=True, exist_ok=True)
     recurrent = MODELS[args.model][1] is nn.RNNBase

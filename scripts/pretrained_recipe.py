@@ -74,17 +74,18 @@ def main() -> None:
         torch.manual_seed(seed)
         pretrained = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
         train(pretrained, torch.optim.Adam(pretrained.parameters(), lr=1e-3), *data["A"][:2], args.steps, seed)
-        passes = [int(steps) for steps in args.pass_steps.split(",")]
-        for learner in ("adam", "foovb", *(f"foovb, lr=0 for {steps} steps on A" for steps in passes)):
+        passes = [int(steps) for steps in args.pass_steps.split(",")]  # (label, steps of the lr=0 pass or 0)
+        learners = [("adam", 0), ("foovb", 0), *((f"foovb, lr=0 for {steps} steps on A", steps) for steps in passes)]
+        for learner, pass_steps in learners:
             model = copy.deepcopy(pretrained)
             if learner == "adam":
                 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
             else:
                 optimizer = FOOVB(model, seed=seed)
-                if "lr=0" in learner:
+                if pass_steps:
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.param_groups[0]["lr"] = 0.0  # covariance only: the weights stay as pretrained
-                    train(model, optimizer, *data["A"][:2], int(learner.split()[3]), seed + 100)
+                    train(model, optimizer, *data["A"][:2], pass_steps, seed + 100)
                     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                  pretrained.state_dict().values(), strict=True))
                     optimizer.param_groups[0]["lr"] = lr

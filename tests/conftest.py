@@ -28,6 +28,24 @@ def random_spd(n: int, gen: torch.Generator, cond: float | None = None) -> torch
     return (q * eig) @ q.T
 
 
+def assert_algorithm_3_step(block, mean: torch.Tensor, a: torch.Tensor, b: torch.Tensor, psi: list[torch.Tensor],
+                            phi: torch.Tensor, mean_rtol: float, cov_rtol: float) -> None:
+    """A matrix-variate block's state after one step from (mean M, factors A, B) equals the paper's update from its
+    samples' gradients Psi_k and noises Phi_k (prior's covariance in the mean step): M <- M - B B^T E1 A A^T,
+    Sigma_1 <- Lemma 2 with E2 = mean Psi^T B Phi / p, Sigma_2 with E3 = mean Psi A Phi^T / n."""
+    from foovb import solve_fixed_point
+
+    (p, n), k_samples = mean.shape, len(psi)
+    e1 = sum(psi) / k_samples
+    e2 = sum(ps.T @ b @ f for ps, f in zip(psi, phi, strict=True)) / (p * k_samples)
+    e3 = sum(ps @ a @ f.T for ps, f in zip(psi, phi, strict=True)) / (n * k_samples)
+    torch.testing.assert_close(block.state["mean"], mean - b @ b.T @ e1 @ a @ a.T, rtol=mean_rtol, atol=1e-11)
+    x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
+    new_a, new_b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
+    torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=cov_rtol, atol=1e-11)
+    torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=cov_rtol, atol=1e-11)
+
+
 def random_sqrt(n: int, gen: torch.Generator) -> torch.Tensor:
     """A random, well-conditioned, non-symmetric square root A (covariance A A^T)."""
     return torch.eye(n, dtype=torch.float64) + 0.3 * torch.randn(n, n, generator=gen, dtype=torch.float64)

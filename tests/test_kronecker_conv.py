@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_generator, random_sqrt
+from conftest import assert_algorithm_3_step, make_generator, random_sqrt
 from torch import nn
 
-from foovb import FOOVB, solve_fixed_point
+from foovb import FOOVB
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -154,20 +154,12 @@ def test_conv_update_matches_im2col_statistics(spec, path, always_stacked):
         opt.step_batched(x, target, loss_fn)
 
     cols = im2col(conv, x)  # (r, n, L)
-    p, n = m.shape
     psi = []
     for f in phi:
         w = m + b @ f @ a.T
         delta = w @ cols - target.flatten(2)  # (r, p, L)
         psi.append(torch.einsum("rpl,rnl->pn", delta, cols))
-    e1 = sum(psi) / k_samples
-    e2 = sum(ps.T @ b @ f for ps, f in zip(psi, phi, strict=True)) / (p * k_samples)
-    e3 = sum(ps @ a @ f.T for ps, f in zip(psi, phi, strict=True)) / (n * k_samples)
-    torch.testing.assert_close(block.state["mean"], m - b @ b.T @ e1 @ a @ a.T, rtol=1e-10, atol=1e-11)
-    x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
-    new_a, new_b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
-    torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=1e-9, atol=1e-11)
+    assert_algorithm_3_step(block, m, a, b, psi, phi, mean_rtol=1e-10, cov_rtol=1e-9)
     weight, bias = direct_weight(conv, block.state["mean"])
     torch.testing.assert_close(conv.weight.detach(), weight, rtol=0, atol=1e-12)
     if bias is not None:

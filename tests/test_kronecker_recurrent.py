@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_generator, random_sqrt
+from conftest import assert_algorithm_3_step, make_generator, random_sqrt
 from torch import nn
 
-from foovb import FOOVB, solve_fixed_point
+from foovb import FOOVB
 from foovb.posteriors import KroneckerBlock
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -151,13 +151,4 @@ def test_recurrent_update_matches_algorithm_3_from_each_samples_gradient(kind):
     assert len(recurrent) == 2 and all(isinstance(block, KroneckerBlock) for block in recurrent)
     for block in opt.blocks:
         m, a, b = (before[block][key] for key in ("mean", "input_sqrt_cov", "output_sqrt_cov"))
-        p, n = m.shape
-        phi = noise[block]
-        e1 = sum(psi[block]) / k_samples
-        e2 = sum(ps.T @ b @ f for ps, f in zip(psi[block], phi, strict=True)) / (p * k_samples)
-        e3 = sum(ps @ a @ f.T for ps, f in zip(psi[block], phi, strict=True)) / (n * k_samples)
-        torch.testing.assert_close(block.state["mean"], m - b @ b.T @ e1 @ a @ a.T, rtol=1e-9, atol=1e-11)
-        x1, x2 = solve_fixed_point(a @ a.T, e2), solve_fixed_point(b @ b.T, e3)
-        new_a, new_b = block.state["input_sqrt_cov"], block.state["output_sqrt_cov"]
-        torch.testing.assert_close(new_a @ new_a.T, x1 @ x1.T, rtol=1e-8, atol=1e-11)
-        torch.testing.assert_close(new_b @ new_b.T, x2 @ x2.T, rtol=1e-8, atol=1e-11)
+        assert_algorithm_3_step(block, m, a, b, psi[block], noise[block], mean_rtol=1e-9, cov_rtol=1e-8)
