@@ -222,3 +222,33 @@ def test_readme_and_docs_links_point_to_files() -> None:
         missing += [f"{page.name}: {path}" for path in re.findall(r"`(docs/[^`\s{}*]+)`", text)
                     if not (ROOT / path).exists()]
     assert not missing, missing
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The #anchors GitHub gives a page's headings (lowercased; punctuation but hyphens and underscores dropped;
+    spaces to hyphens; a repeated heading's -1, -2, ...), outside code blocks."""
+    anchors: set[str] = set()
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*$", text, flags=re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.replace("`", ""))
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchor, repeat = slug, 0
+        while anchor in anchors:
+            repeat += 1
+            anchor = f"{slug}-{repeat}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_readme_and_docs_link_anchors_name_headings() -> None:
+    """A link's #anchor (to a page of the repository or to its own page) names a heading of that page."""
+    missing = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            linked = (page.parent / target) if target else page
+            if linked.suffix == ".md" and linked.is_file() and anchor not in heading_anchors(linked):
+                missing.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not missing, missing

@@ -240,6 +240,24 @@ def test_label_smoothing_on_a_batch_of_one_row_is_the_batchs_loss(reduction):
     assert_same_posterior(one_step(smoothed(reduction)), one_step(smoothed("sum")))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("options", [{"weight": WEIGHT}, {"ignore_index": 1}, {"weight": WEIGHT, "ignore_index": 1}])
+def test_label_smoothing_with_class_weights_or_ignored_targets_is_the_mean_over_their_total(family, options):
+    """torch divides such a loss by the targets' total weight (or the count of those not ignored), its smoothing
+    term too: the step of reduction="sum". It was refused as a mean plus something else, with the advice
+    batch_size=rows, which was accepted and gave a likelihood rows / total times too strong."""
+    def smoothed(reduction):
+        return lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction=reduction, **options)
+
+    assert_same_posterior(one_step(smoothed("mean"), family), one_step(smoothed("sum"), family))
+    if "ignore_index" not in options:  # a sum over a weight's rows divided by the same total: a regulariser
+        model = mlp(seed=0)
+        assert model[0].weight.shape[0] != len(Y)
+        with pytest.raises(ValueError, match="adds a mean over .* terms to something else"):
+            FOOVB(model, family, 4, seed=3).step(closure_of(model, lambda out, y: F.cross_entropy(
+                out, y, weight=WEIGHT) + model[0].weight.square().sum() / WEIGHT[y].sum()))
+
+
 def micro_batch_closure(model, sizes, reduce):
     def closure():
         start, total = 0, 0.0
@@ -269,6 +287,30 @@ def test_micro_batches_inside_the_closure_are_scaled_each_or_refused(family):
     with pytest.raises(ValueError, match="backward\\(\\) 2 times on losses of different scales"):
         opt.step(micro_batch_closure(model, (6, 2), "mean"))
     assert all_equal(posterior_snapshot(opt), before)
+
+
+def test_micro_batch_means_divided_by_their_number_name_the_whole_batch_first():
+    """The common recipe `(loss / k).backward()` per micro-batch: refused (the 1/k could be each example's), naming
+    the whole batch's k n rows first, the fix that gives the one-batch step, and the micro-batch's n second (the
+    advice used to name n alone: a step with a likelihood k times too weak)."""
+    def divided(model):
+        def closure():
+            for start in (0, 2, 4, 6):
+                loss = F.cross_entropy(model(X[start:start + 2]), Y[start:start + 2]) / 4
+                loss.backward()
+            return loss
+        return closure
+
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    with pytest.raises(ValueError, match=r"backward\(\) 4 times, each on 0.25 times a mean over 2 terms.*The first: "
+                                         r"step\(closure, batch_size=8\) \(the whole batch: 4 x 2\).*the second: "
+                                         r"step\(closure, batch_size=2\)$"):
+        opt.step(divided(model))
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3)
+    opt.step(divided(model), batch_size=8)
+    assert_same_posterior(opt, one_step(summed_ce, "diagonal"))
 
 
 # ---------------------------------------------------------------------------------------------------------

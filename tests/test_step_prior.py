@@ -248,6 +248,20 @@ def test_the_output_layer_and_wide_matrix_layers_take_the_algorithms_step(family
     assert FOOVB(nn.Linear(4, 2), family, step_prior=4).blocks[0].mean_step_priors() == ()  # only an output layer
 
 
+@pytest.mark.parametrize("layer", [nn.Linear(3, STEP_PRIOR_MAX_WIDTH), nn.Linear(STEP_PRIOR_MAX_WIDTH, 3, bias=False)])
+def test_step_prior_leaves_matrix_variate_layers_exactly_as_wide_as_auto_leaves_diagonal(layer):
+    """posterior="kronecker" on a layer "auto" makes diagonal by one unit (1,025 outputs; 1,025 inputs without a
+    bias, whose input factor is no wider than a 1,024-input layer's with its bias): the algorithm's step, as the
+    docs say; one unit narrower it is widened."""
+    model = nn.Sequential(layer, nn.Linear(layer.out_features, 2))
+    assert FOOVB(model, "auto").blocks[0].family == "diagonal"
+    assert FOOVB(model, "kronecker", step_prior=4).blocks[0].mean_step_priors() == ()
+    narrower = nn.Linear(layer.in_features - (layer.in_features > 3), layer.out_features - (layer.out_features > 3),
+                         bias=False)
+    opt = FOOVB(nn.Sequential(narrower, nn.Linear(narrower.out_features, 2)), "kronecker", step_prior=4)
+    assert opt.blocks[0].family == "kronecker" and opt.blocks[0].mean_step_priors()
+
+
 class HeadFirst(nn.Module):
     """The output layer registered before the body: the last registered layer is the body's."""
 

@@ -30,9 +30,10 @@ over; and Sigma + (1/f - 1) Sigma^2 / v0, which at Sigma = v0 / 2 is 1 + (1/f - 
 
 `FOOVB(..., step_prior=K)` sets the same two entries at construction, v0 the prior and V = K v0, so that the mean
 step's prior is K times the sampling prior's whether or not the prior is calibrated (with calibrate_prior, V is K
-times the uncalibrated prior: the calibration keeps it), on every layer but the output layer and matrix-variate
-layers with more than 1,025 inputs (bias included) or outputs (`step_prior_blocks`). Factors wider than 512 keep
-their eigendecomposition until they move by more than a tenth (`linalg.refreshed_factor_eigh`).
+times the uncalibrated prior: the calibration keeps it), on every layer but the output layer,
+nn.MultiheadAttention's own projections and matrix-variate layers with more than 1,024 inputs or outputs
+(`step_prior_blocks`). Factors wider than 512 keep their eigendecomposition until they move by more than a tenth
+(`linalg.refreshed_factor_eigh`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ SAMPLES = 10  # sampled networks per measurement
 ROUNDS = 10  # measurements at most
 SLACK = 1.1  # a ratio up to SLACK x TARGET is accepted
 MIN_SHRINK = 0.05  # the variance shrinks by at most 20x per round
-STEP_PRIOR_MAX_WIDTH = AUTO_MAX_FEATURES + 1  # step_prior's widest matrix-variate factor: posterior="auto"'s
+STEP_PRIOR_MAX_WIDTH = AUTO_MAX_FEATURES + 1  # the widest factor step_prior widens: 1,024 inputs and the bias
 
 
 def first_tensor(output: object) -> Tensor | None:
@@ -128,18 +129,18 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
 
 def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     """The blocks step_prior widens: all but those of the last block's module (the model's output layer, in its
-    parameter order), but matrix-variate layers with a factor wider than STEP_PRIOR_MAX_WIDTH (those that
-    posterior="kronecker" makes matrix-variate beyond "auto"'s limit: their eigendecompositions, even refreshed
-    rarely, were not measured) and but nn.MultiheadAttention's own parameters (its query, key and value
-    projections; its out_proj is a Linear of its own). The output layer's wider steps lost a class-incremental
+    parameter order), but matrix-variate layers with more than AUTO_MAX_FEATURES inputs (the bias aside) or
+    outputs (those that posterior="kronecker" makes matrix-variate beyond "auto"'s limit, `affordable_matrix_variate`:
+    their eigendecompositions, even refreshed rarely, were not measured; the widest factor widened is
+    STEP_PRIOR_MAX_WIDTH, 1,024 inputs and the bias) and but nn.MultiheadAttention's own parameters (its query,
+    key and value projections; its out_proj is a Linear of its own). The output layer's wider steps lost a class-incremental
     stream's first task: the suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior;
     the attention projections' cost a one-layer Transformer encoder 3.3 points on i.i.d. MNIST rows, over 3 seeds
     (docs/results/step_prior.md)."""
     output_layer = output_layer_blocks(blocks)
 
     def too_wide(block: PosteriorBlock) -> bool:
-        return isinstance(block, KroneckerBlock) and max(
-            len(block.state["input_sqrt_cov"]), len(block.state["output_sqrt_cov"])) > STEP_PRIOR_MAX_WIDTH
+        return isinstance(block, KroneckerBlock) and max(block.in_features, block.out_features) > AUTO_MAX_FEATURES
 
     return [block for block in blocks if block not in output_layer and not too_wide(block)
             and not isinstance(block.module, nn.MultiheadAttention)]

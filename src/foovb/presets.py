@@ -88,8 +88,8 @@ The arguments of FOOVB:
         no batch has measured yet, the algorithm's Sigma where the likelihood has taken over, the samples' noise
         unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior). Every layer except
         the output layer (the last parameter block's module), nn.MultiheadAttention's own projections and
-        matrix-variate layers wider than posterior="auto" makes them, with a factor wider than 1,025
-        (`calibration.step_prior_blocks`); those take the algorithm's step. The matrix-variate family takes the step
+        matrix-variate layers wider than posterior="auto" makes them (more than 1,024 inputs or outputs;
+        `calibration.step_prior_blocks`); those take the algorithm's step. The matrix-variate family takes the step
         in the eigenbases of the layer's two factors, a factor wider than 512 decomposed anew only when it has moved
         by more than a tenth since (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).

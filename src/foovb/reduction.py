@@ -7,7 +7,9 @@ only what it can tell for sure, and everything else is an error that names the o
 
 - a mean over n terms (`F.cross_entropy`'s default, `.mean()`, a sum divided by its own number of terms),
   also scaled by a constant (`loss / 2`, `-logp.mean()`) or added to another mean over the same n terms
-  (label smoothing): the gradients are multiplied by n (the step of the summed loss, `loss / 2` of a halved one);
+  (label smoothing), or to a sum over the model's input rows divided by that n (label smoothing with class
+  weights or ignored targets, whose n is their total weight or count): the gradients are multiplied by n (the step
+  of the summed loss, `loss / 2` of a halved one);
 - a loss function's `reduction="sum"` (also with label smoothing): taken as L_n;
 - a `.sum()` over a tensor with one leading row per row of the model's input (per-example losses): taken as L_n;
   a `.sum()` or `.mean()` of a one-element tensor, and a reshape, clone, cast, expand or transpose of one, is
@@ -59,6 +61,8 @@ class LossReduction(NamedTuple):
     factor: float = 1.0  # a constant the reduction was multiplied by (loss / 2: 0.5)
     of_one_row: str = ""  # "sum" / "mean" of a one-element tensor made by `kind`: a batch's loss if it has one row
     values: float = math.nan  # a .sum()'s number of values summed (rows x tokens of a per-token loss)
+    divided_by: float = math.nan  # a .sum() divided by a constant other than its own counts (a total weight)
+    summed_rows: float = math.nan  # a mean that holds such a sum: the sum's leading rows (the model's input's?)
 
 
 def _constant_operand(node: object) -> tuple[object, float] | None:
@@ -111,6 +115,8 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor in (found.terms,
                                                                                             found.values):
             return LossReduction("mean", divisor)
+        if found.kind == "sum" and found.factor == 1 and divisor is not None:  # by a total weight, a count of
+            return found._replace(factor=constant[1], divided_by=divisor)  # targets not ignored (label smoothing)
         return found._replace(factor=found.factor * constant[1])
     if name in _SHAPE_ONLY:  # a one-element tensor reshaped, cloned or cast: itself
         return _read(node.next_functions[0][0], depth + 1)
@@ -149,6 +155,13 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         factor = parts[0].factor if len(parts) == 2 and parts[0].factor == parts[1].factor else 1.0
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "mean" and parts[0].terms == parts[1].terms:
             return LossReduction("mean", parts[0].terms, factor=factor)
+        # label smoothing with class weights or ignored targets: nll's mean over their total weight (or count) T
+        # plus the smoothing term's sum over the rows divided by T, a mean of each row's weighted terms over T
+        # (if those rows are the model's input's: loss_scale checks)
+        mean, summed = sorted(parts, key=lambda part: part.kind != "mean") if len(parts) == 2 else (None, None)
+        if mean is not None and mean.kind == "mean" and summed.kind == "sum" and math.isclose(
+                summed.divided_by, mean.terms, rel_tol=1e-5):
+            return LossReduction("mean", mean.terms, summed_rows=summed.terms)
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "sum":  # label smoothing with reduction="sum"
             rows = {part.terms for part in parts if not math.isnan(part.terms)}
             if len(rows) <= 1:
@@ -181,8 +194,10 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
-    kind, terms, mean_inside, factor, of_one_row, values = reduction if reduction is not None else LossReduction(
-        _NO_BACKWARD, math.nan)
+    kind, terms, mean_inside, factor, of_one_row, values, _, summed_rows = (
+        reduction if reduction is not None else LossReduction(_NO_BACKWARD, math.nan))
+    if not math.isnan(summed_rows) and summed_rows not in rows:  # a sum over other rows than the input's: no
+        kind, terms, mean_inside = "AddBackward0", math.nan, terms  # per-example term (a regulariser?)
     if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
         kind, terms = of_one_row, 1.0
     if factor == 0:
@@ -300,7 +315,7 @@ def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int
         return True
     if reduction is None or declared == "sum":
         return False
-    kind, _, _, factor, of_one_row, _ = reduction
+    kind, factor, of_one_row = reduction.kind, reduction.factor, reduction.of_one_row
     if of_one_row and rows == frozenset({1}):
         kind = of_one_row
     return (kind == "mean" and factor == 1) or (kind == "sum" and factor != 1)
@@ -375,7 +390,7 @@ class LossSpy(TorchFunctionMode):
         if self._depth == 0:
             first = next((a for a in args if isinstance(a, Tensor)), None)
             if first is not None and first.ndim:
-                self.rows.add(first.shape[0])
+                self.rows.add(first.size(0))  # not .shape[0]: an int in model.compile()d code
         self._depth += 1
 
     def leave_module(self, module: nn.Module) -> None:
@@ -425,6 +440,9 @@ class LossSpy(TorchFunctionMode):
                     raise
                 # the single-loss advice would count this loss's terms (e.g. activations), not the batch's rows,
                 # and a batch_size multiplies the gradients of every backward() call alike
+                accumulated = self._accumulation_advice()
+                if accumulated:
+                    raise ValueError(accumulated) from error
                 rows = " or ".join(str(r) for r in sorted(self.rows)) or "n"
                 what = (f"{reduction.factor:g} times a {reduction.kind} over {reduction.terms:g} terms"
                         if reduction.kind in ("mean", "sum") else f"made by {reduction.kind}")
@@ -441,6 +459,25 @@ class LossSpy(TorchFunctionMode):
                 "unequal size): one factor cannot turn their summed gradients into those of the batch's summed "
                 "loss. Use the loss function's reduction='sum' for each micro-batch")
         return scales[0]
+
+    def _accumulation_advice(self) -> str:
+        """The error for gradient accumulation written as `(loss / k).backward()` per micro-batch: k backward()
+        calls, each on the same constant f times a mean over the same t terms. Whether f scales the whole batch
+        (1/k: the batch's k t rows) or belongs to each example's loss cannot be read; the first is the recipe's.
+        "" for any other closure."""
+        first = self.reductions[0]
+        if first.kind != "mean" or first.factor == 1 or any(
+                (r.kind, r.terms, r.factor) != (first.kind, first.terms, first.factor) for r in self.reductions):
+            return ""
+        calls, terms, factor = len(self.reductions), first.terms, first.factor
+        whole = terms / factor
+        batch = (f"step(closure, batch_size={whole:g}) (the whole batch: {1 / factor:g} x {terms:g})"
+                 if float(whole).is_integer() and whole >= 1 else "drop the constant from each loss")
+        return (f"the closure called backward() {calls} times, each on {factor:g} times a mean over {terms:g} "
+                f"terms: gradient accumulation over micro-batches (loss / k)? Whether {factor:g} scales the whole "
+                f"batch or belongs to each example's loss (a Gaussian's 1/2) cannot be read from it. The first: "
+                f"{batch}, or drop the division and the step reads each mean itself; the second: "
+                f"step(closure, batch_size={terms:g})")
 
     def reads_a_mean(self, declared: str, batch_size: int | None) -> bool:
         """Whether the closure's loss is a mean, not the batch's sum (`reads_a_mean`), once `scale` accepted it."""

@@ -60,8 +60,9 @@ def refuse_accumulated_gradients(blocks: list[PosteriorBlock]) -> None:
             "gradients were already computed when step() was called (gradient accumulation, e.g. Lightning's "
             "accumulate_grad_batches > 1, or a backward() outside the closure): FOO-VB evaluates each "
             "batch's gradients at its own sampled networks inside step(), so accumulated gradients cannot be "
-            "used. Use one batch per step (a larger batch instead of accumulation), and call "
-            "optimizer.zero_grad() before the first step if the model still holds gradients")
+            "used. Use one batch per step: a larger batch, or, for memory, the micro-batches' backward() calls "
+            "inside the closure (equal micro-batches with a mean loss, or reduction='sum'; that is the one-batch "
+            "step), and call optimizer.zero_grad() before the first step if the model still holds gradients")
 
 
 def refuse_training_closure(closure: Callable[[], Tensor], blocks: list[PosteriorBlock]) -> None:
