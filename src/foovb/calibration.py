@@ -129,14 +129,13 @@ def calibrate(blocks: Sequence[PosteriorBlock], outputs: Callable[[int | None], 
 
 def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     """The blocks step_prior widens: all but those of the last block's module (the model's output layer, in its
-    parameter order), but matrix-variate layers with more than AUTO_MAX_FEATURES inputs (the bias aside) or outputs (those
-    that posterior="kronecker" makes matrix-variate beyond "auto"'s limit, `affordable_matrix_variate`: their
-    eigendecompositions, even refreshed rarely, were not measured; the widest factor widened is
-    STEP_PRIOR_MAX_WIDTH, 1,024 inputs and the bias) and but nn.MultiheadAttention's own parameters (its query, key
-    and value projections; its out_proj is a Linear of its own). The output layer's wider steps lost a
-    class-incremental stream's first task: the suite's two-task example kept 84.7% with them, 93.2% without, 94.2%
-    with no step prior; the attention projections' cost a one-layer Transformer encoder 3.3 points on i.i.d. MNIST
-    rows, over 3 seeds (docs/results/step_prior.md)."""
+    parameter order), but matrix-variate layers with more than AUTO_MAX_FEATURES inputs (the bias aside) or outputs
+    (those that posterior="kronecker" makes matrix-variate beyond "auto"'s limit, `affordable_matrix_variate`: their
+    eigendecompositions, even refreshed rarely, were not measured; the widest factor widened is STEP_PRIOR_MAX_WIDTH,
+    1,024 inputs and the bias) and but nn.MultiheadAttention's own parameters (its query, key and value projections; its
+    out_proj is a Linear of its own). The output layer's wider steps lost a class-incremental stream's first task: the
+    suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior; the attention projections'
+    cost a one-layer Transformer encoder 3.3 points on i.i.d. MNIST rows, over 3 seeds (docs/results/step_prior.md)."""
     output_layer = output_layer_blocks(blocks)
 
     def too_wide(block: PosteriorBlock) -> bool:
