@@ -604,6 +604,14 @@ def test_a_masked_mean_is_named_and_its_count_gives_the_summed_steps():
         snapshots.append(posterior_snapshot(opt))
     for got, want in zip(snapshots[1], snapshots[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # a batch_size other than the count: the rows (it was called a plain sum), or rows x tokens (it was taken: a
+    # likelihood 8 / 6 times too strong)
+    for loss_fn, wrong in ((masked, 8), (lambda out, y: (F.cross_entropy(out, y, reduction="none").reshape(2, 4)
+                                                          * tokens).sum() / tokens.sum(), 8)):
+        model = mlp()
+        with pytest.raises(ValueError, match=rf"batch_size={wrong}\) says the loss is a mean over {wrong} terms, but "
+                                             r"it is a \.sum\(\) over \d rows divided by 6: .* takes batch_size=6"):
+            FOOVB(model, "diagonal", 4).step(closure_of(model, loss_fn), batch_size=wrong)
 
 
 def test_a_sum_over_rows_and_tokens_divided_by_their_number_is_their_mean():

@@ -194,7 +194,7 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     rows: the leading sizes of the model's inputs in the closure (empty if the model was not called on a tensor).
     Raises ValueError, naming the fix, for a loss whose relation to L_n cannot be told for sure.
     """
-    kind, terms, mean_inside, factor, of_one_row, values, _, summed_rows = (
+    kind, terms, mean_inside, factor, of_one_row, values, divided_by, summed_rows = (
         reduction if reduction is not None else LossReduction(_NO_BACKWARD, math.nan))
     if not math.isnan(summed_rows) and summed_rows not in rows:  # a sum over other rows than the input's: no
         kind, terms, mean_inside = "AddBackward0", math.nan, terms  # per-example term (a regulariser?)
@@ -214,6 +214,13 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
+        if kind == "sum" and not math.isnan(divided_by) and batch_size != divided_by:  # a masked mean over D values
+            raise ValueError(                    # is multiplied by D, a scaled sum by nothing: no other n fits
+                f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} terms, but it "
+                f"is a .sum() over {terms:g} rows divided by {divided_by:g}: a mean over {divided_by:g} values "
+                f"(a masked mean, .sum() / mask.sum()) takes batch_size={divided_by:g}, the count at every step; a "
+                f"sum whose 1/{divided_by:g} belongs to each example's loss takes no batch_size, with "
+                "FOOVB(..., loss_reduction='sum')")
         if kind == "sum" and (math.isnan(terms) or terms == batch_size):  # a loss function's sum, or over the rows
             raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum: "
                              "drop batch_size")
