@@ -177,6 +177,12 @@ def test_overrides_and_yaml_file(tmp_path) -> None:
      r"^True: unknown key \(YAML reads an unquoted on/off/yes/no/true/false key as a boolean: quote it\)"),
     ("scenario: {kind: split_mnist, [a]: 1}\nlearner: {kind: sgd}\n", [], r"a key must be a plain value, got \['a'\]"),
     ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n\xe9: 1\n", [], "is not a YAML config in UTF-8"),
+    # a misspelt section is named (it was "learner.kind: ... does not name its learner"), and its closest key
+    ("scenario: {kind: split_mnist}\nlerner: {kind: sgd}\n", [], r"^lerner: unknown key \(did you mean 'learner'\?\)"),
+    ("scenario: {kind: split_mnist, epochs_per_tsk: 1}\nlearner: {kind: sgd}\n", [],
+     r"^scenario.epochs_per_tsk: unknown key \(did you mean 'epochs_per_task'\?\)"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["learner.params={lr:0.001}"],  # YAML's key lr:0.001
+     r"YAML reads 'lr:0.001' as one key with no value; a colon needs a space after it: \{lr: 0.001\}"),
 ])
 def test_config_files_that_are_not_complete_runs_are_errors(tmp_path, text, overrides, message) -> None:
     path = tmp_path / "c.yaml"
@@ -775,7 +781,8 @@ def test_plot_from_saved_accuracy_matrices(finished_run, tmp_path, capsys, monke
     assert main(["plot", str(saved), str(hand), "--out", str(tmp_path / "p1")]) == 0
     assert list(drawn["average"]) == [f"{run_dir.name} (mean)", "hand"]  # default labels
     assert main(["plot", str(hand), str(hand), "--out", str(tmp_path / "p2")]) == 2  # same default label
-    assert "labels must differ" in capsys.readouterr().err
+    assert "labels must differ, got ['hand', 'hand'] (read from the runs' names): name each matrix with --labels" \
+        in capsys.readouterr().err
     assert main(["plot", str(hand), "--labels", "a", "b", "--out", str(tmp_path / "p3")]) == 2
     assert "2 labels for 1 matrices" in capsys.readouterr().err
     rectangular = tmp_path / "evaluations.csv"  # a continuous run's matrix: one row per evaluation
@@ -1044,6 +1051,27 @@ def test_resume_refuses_a_factory_that_returns_other_data(example_dir, monkeypat
                           "when the run started (SHA-256 ") and err.count("\n") == 1, err
 
 
+def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, monkeypatch, capsys) -> None:
+    """The factory's module edited between two seeds of one config: compare averaged them as one experiment's seeds
+    (summary.json did not record the data); now each is its own row, with a warning. Two seeds on the same data
+    are still one row."""
+    _without_plots(monkeypatch)
+    module = example_dir / "two_tasks.py"
+    for seed, out in ((0, "a"), (1, "b"), (2, "c")):
+        if out == "c":  # the module edited before the third run
+            module.write_text(module.read_text().replace("centres = 2 * torch.randn", "centres = 3 * torch.randn"))
+            del sys.modules["two_tasks"]
+        assert main(["run", "two_tasks.yaml", "--out", out, "--no-progress", "--set", f"seed={seed}"]) == 0
+    digests = [json.loads((example_dir / d / "summary.json").read_text())["run"]["data"] for d in "abc"]
+    assert digests[0] == digests[1] != digests[2] and len(digests[0]) == 64
+    capsys.readouterr()
+    assert main(["compare", "a", "b", "c", "--out", "cmp"]) == 0
+    assert "['a', 'b'] and ['c'] have one config but were trained on different data" in capsys.readouterr().err
+    with open("cmp/compare_seeds.csv") as f:
+        rows = [(r["runs"], r["num_runs"]) for r in csv.DictReader(f) if r["mode"] == "mean"]
+    assert rows == [("a b", "2"), ("c", "1")]
+
+
 def test_factories_are_imported_from_the_config_files_directory(tmp_path, user_dir, monkeypatch, capsys) -> None:
     folder, elsewhere = tmp_path / "experiment", tmp_path / "elsewhere"
     folder.mkdir()
@@ -1057,6 +1085,10 @@ def test_factories_are_imported_from_the_config_files_directory(tmp_path, user_d
                  "--no-progress"]) == 0
     assert sys.modules["two_tasks"].__file__ == str(folder / "two_tasks.py")
     assert sys.path == path_before  # the directories lead sys.path only while a factory is imported and called
+    # the hint it prints says where load_model finds the modules (it printed load_model('r') alone, which fails here)
+    assert capsys.readouterr().out.endswith(f"model: foovb_suite.load_model('{elsewhere.resolve() / 'r'}') (learner: "
+                                            f"load_learner), run in {folder.resolve()} or with it on sys.path: the "
+                                            "factories' modules are there\n")
     assert main(["run", str(folder / "two_tasks.yaml"), "--set", "scenario.factory=nowhere:make_tasks", "--out",
                  "r2", "--no-progress"]) == 2
     assert capsys.readouterr().err == (
@@ -1066,6 +1098,7 @@ def test_factories_are_imported_from_the_config_files_directory(tmp_path, user_d
 
 
 BROKEN_FACTORIES = """import torch
+import two_tasks
 
 
 def raising(**kwargs):
@@ -1082,6 +1115,30 @@ def not_a_model(**kwargs):
 
 def too_wide(input_shape, num_classes, **kwargs):
     return torch.nn.Linear(input_shape[0], num_classes + 1)
+
+
+def one_pair(**kwargs):
+    return two_tasks.make_tasks()[0]
+
+
+def no_tasks(**kwargs):
+    return []
+
+
+def nan_input(**kwargs):
+    tasks = two_tasks.make_tasks()
+    tasks[1][0].tensors[0][5, 3] = float("nan")
+    return tasks
+
+
+def label_beyond(**kwargs):
+    tasks = two_tasks.make_tasks()
+    tasks[1][1].tensors[1][2] = 7
+    return tasks
+
+
+def bad_width(input_shape, num_classes, hidden=64, width="abc"):
+    return torch.nn.Linear(input_shape[0], width)
 """
 
 
@@ -1096,7 +1153,7 @@ def too_wide(input_shape, num_classes, **kwargs):
     ("scenario.factory=needs_more:make_tasks", "scenario.factory 'needs_more:make_tasks': importing needs_more "
      "raised ModuleNotFoundError: No module named 'no_such_dependency' (at {dir}/needs_more.py:1)"),
     ("scenario.factory=broken:raising",
-     "scenario.factory 'broken:raising' raised RuntimeError: no data today (at {dir}/broken.py:5)"),
+     "scenario.factory 'broken:raising' raised RuntimeError: no data today (at {dir}/broken.py:6)"),
     ("scenario.factory=broken:number", "scenario.factory 'broken:number': expected a list of tasks, each a (train, "
      "test) pair of torch Datasets, got int"),
     ("scenario.args.n=3", "scenario.args: two_tasks:make_tasks cannot be called with them (got an unexpected "
@@ -1105,6 +1162,15 @@ def too_wide(input_shape, num_classes, **kwargs):
      "task(s); set scenario.num_tasks: 2 (or fewer: the first tasks)"),
     ("scenario.num_classes=3", "scenario.num_classes: 3, but the labels of scenario.factory 'two_tasks:make_tasks' "
      "go up to 3"),
+    ("scenario.factory=broken:one_pair", "scenario.factory 'broken:one_pair' returned a tuple of 2 Datasets, not a "
+     "list of tasks: return one (train, test) pair per task, [(train_0, test_0), (train_1, test_1), ...]"),
+    ("scenario.factory=broken:no_tasks", "scenario.factory 'broken:no_tasks' returned no tasks (an empty list): "
+     "return one (train, test) pair per task"),
+    ("scenario.factory=broken:nan_input", "scenario.factory 'broken:nan_input': task 1's training set: non-finite "
+     "inputs (NaN or inf) in 1 example(s), the first example 5"),  # not a divergence blamed on the settings
+    ("scenario.factory=broken:label_beyond", "scenario.factory 'broken:label_beyond': task 1's test set "
+     "has label(s) [7] that no training set holds, and the model's outputs are the largest label + 1 (8): a label "
+     "out of range? If those classes are meant, set scenario.num_classes"),  # an 8-way model, silently
     ("model.factory=broken:not_a_model", "model.factory 'broken:not_a_model': expected a torch.nn.Module, got str"),
     ("model.factory=broken:too_wide", "model.factory 'broken:too_wide': its model maps inputs of shape (2, 20) to "
      "(2, 5), expected logits of shape (2, 4) (4 classes)"),
@@ -1119,6 +1185,18 @@ def test_a_factory_that_fails_is_one_error_line_naming_it(example_dir, capsys, c
                  "--no-progress"]) == 2
     assert capsys.readouterr().err == f"foovb: error: {message.format(dir=example_dir.resolve())}\n"
     assert not (example_dir / "r").exists()
+
+
+def test_an_error_raised_inside_torch_names_the_users_line_first(example_dir, capsys) -> None:
+    """It named torch's line alone (linear.py), not the factory's line that passed the bad value."""
+    (example_dir / "broken.py").write_text(BROKEN_FACTORIES)
+    assert main(["run", "two_tasks.yaml", "--set", "model.factory=broken:bad_width", "--out", "r",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    line = next(number for number, text in enumerate(BROKEN_FACTORIES.splitlines(), 1) if "width)" in text)
+    assert re.fullmatch(rf"foovb: error: model.factory 'broken:bad_width' raised TypeError: .* \(at "
+                        rf"{re.escape(str(example_dir.resolve()))}/broken.py:{line}, raised in \S+/torch/nn/modules/"
+                        r"linear.py:\d+\)\n", err), err
 
 
 @pytest.mark.parametrize("kind", [kind for kind in LEARNERS if kind != "si"])  # si: the error line above

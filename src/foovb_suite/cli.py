@@ -98,7 +98,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
               f"first task {entry['first_task_accuracy']:.4f}")
     print(f"outputs in {run_dir}")
-    print(f"model: foovb_suite.load_model({str(run_dir)!r}) (learner: load_learner)")
+    where = path.parent.resolve()
+    if (config.model.kind == "custom" or config.scenario.kind == "custom") and where != Path.cwd().resolve():
+        print(f"model: foovb_suite.load_model({str(run_dir.resolve())!r}) (learner: load_learner), run in {where} or "
+              "with it on sys.path: the factories' modules are there")
+    else:
+        print(f"model: foovb_suite.load_model({str(run_dir)!r}) (learner: load_learner)")
     return 0
 
 
@@ -130,13 +135,19 @@ def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> N
 
 def _seed_rows(runs: list[dict]) -> list[list]:
     """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
-    differ only in their seeds (`loading.experiment_key`), and each task's final accuracy averaged over them (" / "
-    between tasks); runs are named by their "name" entry."""
+    differ only in their seeds (`loading.experiment_key`) and trained on the same data (a custom scenario's), and each
+    task's final accuracy averaged over them (" / " between tasks); runs are named by their "name" entry."""
     from .loading import experiment_key
 
-    groups: dict[str, list[dict]] = {}
-    for r in runs:
-        groups.setdefault(experiment_key(r["config"]), []).append(r)
+    groups: dict[tuple[str, str | None], list[dict]] = {}
+    for r in runs:  # the same config on other data (a custom factory edited between runs): another experiment
+        groups.setdefault((experiment_key(r["config"]), r["summary"].get("run", {}).get("data")), []).append(r)
+    for key in {key for key, _ in groups}:
+        split = [[r["name"] for r in group] for (other, _), group in groups.items() if other == key]
+        if len(split) > 1:
+            print(f"foovb: warning: {' and '.join(map(str, split))} have one config but were trained on different "
+                  "data (the custom scenario's SHA-256 in summary.json): not averaged as seeds of one experiment",
+                  file=sys.stderr)
     rows = []
     for group in groups.values():
         configs = [config_from_dict(r["config"]) for r in group]
@@ -278,7 +289,8 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"foovb: error: --labels: {len(labels)} labels for {len(paths)} matrices", file=sys.stderr)
         return 2
     if len(set(labels)) < len(labels):
-        print(f"foovb: error: labels must differ, got {labels}", file=sys.stderr)
+        fix = "" if args.labels else " (read from the runs' names): name each matrix with --labels A B ..."
+        print(f"foovb: error: labels must differ, got {labels}{fix}", file=sys.stderr)
         return 2
     average_curves, first_curves, rows = {}, {}, []
     for label, path in zip(labels, paths, strict=True):

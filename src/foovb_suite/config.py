@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import difflib
 import itertools
 import math
 import re
@@ -228,16 +229,22 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def _refuse_unknown_keys(cls: type, data: dict, prefix: str) -> None:
+    """A ConfigError naming the first key of `data` that `cls` has no field for, with the closest field's name."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names, key=str)
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), names, n=1)
+        hint = (" (YAML reads an unquoted on/off/yes/no/true/false key as a boolean: quote it)"
+                if isinstance(unknown[0], bool) else f" (did you mean {close[0]!r}?)" if close else "")
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key{hint} (known: {', '.join(sorted(names))})")
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names, key=str)
-    if unknown:
-        hint = (" (YAML reads an unquoted on/off/yes/no/true/false key as a boolean: quote it)"
-                if isinstance(unknown[0], bool) else "")
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key{hint} (known: {', '.join(sorted(names))})")
+    _refuse_unknown_keys(cls, data, prefix)
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -405,7 +412,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {part} is not a mapping")
-        node[parts[-1]] = parse_yaml(raw, f"--set {key}")
+        value = parse_yaml(raw, f"--set {key}")
+        glued = next((k for k, v in value.items() if isinstance(k, str) and ":" in k and v is None), None) \
+            if isinstance(value, dict) else None
+        if glued is not None:  # {lr:0.001}: YAML's key "lr:0.001", with no value
+            name, _, rest = glued.partition(":")
+            raise ConfigError(f"--set {item!r}: YAML reads {glued!r} as one key with no value; a colon needs a "
+                              f"space after it: {{{name}: {rest}}}")
+        node[parts[-1]] = value
     return data
 
 
@@ -469,6 +483,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except UnicodeDecodeError as error:  # a binary file (a checkpoint), or a config saved in another encoding
         raise ConfigError(f"{path} is not a YAML config in UTF-8 ({error.reason} at byte {error.start})") from None
     data = apply_overrides(parse_yaml(text, str(path)) or {}, overrides or [])
+    if isinstance(data, dict):  # a misspelt section (lerner:) named before "does not name its learner"
+        _refuse_unknown_keys(Config, data, "")
     for section, example in (("scenario", "discrete_permuted_mnist"), ("learner", "foovb")):
         if section not in data or isinstance(data[section], dict) and "kind" not in data[section]:
             # the defaults alone are a paper-scale run of hours: a file must say what it runs

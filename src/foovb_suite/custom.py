@@ -15,7 +15,9 @@ import contextvars
 import difflib
 import importlib
 import inspect
+import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 from .config import ConfigError, ModelConfig, ScenarioConfig
 from .scenarios.in_memory import InMemoryTasks
@@ -80,12 +83,24 @@ def _importable() -> Iterator[None]:
             sys.path.remove(entry)
 
 
+def _library_file(filename: str) -> bool:
+    """Whether `filename` is Python's, an installed package's (torch, gzip, ...) or foovb's, not the user's."""
+    libraries = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    here = Path(__file__).parent  # foovb_suite, beside foovb
+    libraries |= {str(here), str(here.parent / "foovb"), str(Path(torch.__file__).parent.parent)}
+    return any(filename.startswith(library + os.sep) for library in libraries if library)
+
+
 def _failure(error: BaseException) -> str:
-    """An exception raised by the user's code, in one line: its type, message and where it was raised."""
+    """An exception raised by the user's code, in one line: its type, message and where it was raised: the last
+    line of the user's own files in the traceback, and the library's line that raised it, if another."""
     text = f"{type(error).__name__}: {' '.join(str(error).split())}"
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
     if frames and not isinstance(error, SyntaxError):  # a SyntaxError's message has its file and line
-        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
+        own = [frame for frame in frames if not _library_file(frame.filename)]
+        where = own[-1] if own else frames[-1]
+        text += f" (at {where.filename}:{where.lineno}"
+        text += f", raised in {frames[-1].filename}:{frames[-1].lineno})" if where is not frames[-1] else ")"
     return text
 
 
@@ -147,7 +162,14 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
     """The first ``scenario.num_tasks`` tasks that ``scenario.factory`` returns, read into memory (the first
     ``scenario.train_subset`` training examples of each, when given)."""
     tasks = _call_factory("scenario", scenario.factory, scenario.args)
+    if isinstance(tasks, list | tuple) and tasks and all(isinstance(part, Dataset) for part in tasks):
+        raise ConfigError(f"scenario.factory {scenario.factory!r} returned a {type(tasks).__name__} of "
+                          f"{len(tasks)} Datasets, not a list of tasks: return one (train, test) pair per task, "
+                          "[(train_0, test_0), (train_1, test_1), ...]")
     if isinstance(tasks, list | tuple):
+        if not tasks:
+            raise ConfigError(f"scenario.factory {scenario.factory!r} returned no tasks (an empty "
+                              f"{type(tasks).__name__}): return one (train, test) pair per task")
         if len(tasks) < scenario.num_tasks:
             raise ConfigError(f"scenario.num_tasks: {scenario.num_tasks}, but scenario.factory {scenario.factory!r} "
                               f"returned {len(tasks)} task(s); set scenario.num_tasks: {len(tasks)} (or fewer: the "
@@ -158,11 +180,26 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
     except ValueError as error:
         raise ConfigError(f"scenario.factory {scenario.factory!r}: {error}") from error
     if scenario.num_classes is None:
+        _refuse_classes_only_tested(in_memory, scenario.factory)
         return in_memory
     if scenario.num_classes < in_memory.num_classes:
         raise ConfigError(f"scenario.num_classes: {scenario.num_classes}, but the labels of scenario.factory "
                           f"{scenario.factory!r} go up to {in_memory.num_classes - 1}")
     return InMemoryTasks(in_memory.train, in_memory.test, scenario.num_classes)
+
+
+def _refuse_classes_only_tested(tasks: InMemoryTasks, factory: str) -> None:
+    """The model's outputs are the largest label + 1 when scenario.num_classes is not set: a test label that no
+    training set holds (a label out of range?) would silently add outputs that no example trains. Set
+    scenario.num_classes to say the classes are meant."""
+    trained = set().union(*(labels.unique().tolist() for _, labels in tasks.train))
+    for task, (_, labels) in enumerate(tasks.test):
+        untrained = sorted(set(labels.unique().tolist()) - trained)
+        if untrained:
+            raise ConfigError(
+                f"scenario.factory {factory!r}: task {task}'s test set has label(s) {untrained[:5]} that no training "
+                f"set holds, and the model's outputs are the largest label + 1 ({tasks.num_classes}): a label out of "
+                "range? If those classes are meant, set scenario.num_classes")
 
 
 def custom_model(model: ModelConfig, input_shape: Sequence[int], num_outputs: int, device: torch.device) -> nn.Module:

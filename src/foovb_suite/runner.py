@@ -232,5 +232,6 @@ def _final_summary(config: Config, scenario, learner: Learner, device: torch.dev
         "device": str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})",
         "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": metrics_per_mode(records, ends, scenario.num_tasks),
-        "run": {"id": loop.run["id"], "config": loop.run["config"]},  # what `foovb compare` checks the files by
+        # what `foovb compare` checks the files by, and the custom scenario's data (SHA-256; null for a benchmark's)
+        "run": {"id": loop.run["id"], "config": loop.run["config"], "data": loop.run["data"]},
     }

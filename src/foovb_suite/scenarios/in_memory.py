@@ -50,8 +50,8 @@ class InMemoryTasks:
         self.train_sizes = tuple(len(labels) for _, labels in self.train)
 
     def _checked(self, examples: tuple[Tensor, Tensor], what: str) -> tuple[Tensor, Tensor]:
-        """``examples`` (inputs, labels) as float32 and int64, checked: inputs of the tasks' one shape, one
-        label >= 0 per example, at least one example; ``what`` names them in errors."""
+        """``examples`` (inputs, labels) as float32 and int64, checked: finite inputs of the tasks' one shape,
+        one label >= 0 per example, at least one example; ``what`` names them in errors."""
         inputs, labels = examples
         if tuple(inputs.shape[1:]) != self.input_shape:
             raise ValueError(f"{what}: inputs of shape {tuple(inputs.shape[1:])}, but task 0's training inputs have "
@@ -63,7 +63,13 @@ class InMemoryTasks:
             raise ValueError(f"{what}: no examples")
         if int(labels.min()) < 0:
             raise ValueError(f"{what}: a negative label ({int(labels.min())})")
-        return inputs.float(), labels.long()
+        inputs = inputs.float()
+        finite = torch.isfinite(inputs.reshape(len(inputs), -1)).all(1)
+        if not bool(finite.all()):  # else the learners' first steps diverge, and their errors blame the settings
+            bad = (~finite).nonzero().flatten()
+            raise ValueError(f"{what}: non-finite inputs (NaN or inf) in {len(bad)} example(s), the first example "
+                             f"{int(bad[0])}")
+        return inputs, labels.long()
 
     @classmethod
     def from_datasets(cls, tasks: Any, num_classes: int | None = None,
@@ -129,7 +135,9 @@ def _read_examples(dataset: Any, what: str, limit: int | None = None) -> tuple[T
         except Exception as error:  # noqa: BLE001 - the user's dataset code: any failure is reported as it is
             raise ValueError(f"{where}: reading it raised {type(error).__name__}: {error}") from error
         if not (isinstance(example, tuple | list) and len(example) == 2):
-            raise ValueError(f"{where}: expected an (x, y) pair, got {type(example).__name__}")
+            got = (f"a {type(example).__name__} of {len(example)}" if isinstance(example, tuple | list)
+                   else f"a {type(example).__name__}")
+            raise ValueError(f"{where}: expected an (x, y) pair, got {got}")
         x, y = example
         try:
             inputs.append(torch.as_tensor(x, dtype=torch.float32, device="cpu"))
