@@ -5,7 +5,8 @@ permuted-MNIST tasks, for
 * `default`: `FOOVB(model, "kronecker")` (step_prior 16 on every layer but the output layer; the 1,025-wide input
   factor's eigendecomposition refreshed when the factor has moved by more than a tenth, `linalg.refreshed_factor_eigh`);
 * `exact`: the same, every factor decomposed at every step (`linalg.WIDE_FACTOR` lifted);
-* `narrow`: step_prior on layers of at most 512 inputs and outputs only (the default of sessions 45-46);
+* `narrow`: step_prior on layers of at most 511 inputs and outputs only (factors at most 512 wide: the default of
+  sessions 45-46);
 * `no_step_prior`: step_prior=1, secant_check=False (the default before session 45).
 
 The settings take their steps in turns of `--chunk` steps each, so that a change in the machine's load falls on all of
@@ -34,7 +35,7 @@ from foovb import FOOVB
 from foovb_suite.data import MNIST_MEAN, MNIST_STD, load_mnist
 
 SETTINGS = {"default": {}, "exact": {}, "narrow": {}, "no_step_prior": {"step_prior": 1, "secant_check": False}}
-LIMITS = {"exact": (foovb.linalg, "WIDE_FACTOR", 10**9), "narrow": (foovb.calibration, "STEP_PRIOR_MAX_WIDTH", 512)}
+LIMITS = {"exact": (foovb.linalg, "WIDE_FACTOR", 10**9), "narrow": (foovb.calibration, "STEP_PRIOR_MAX_FEATURES", 511)}
 
 
 class Learner:

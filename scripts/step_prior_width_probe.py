@@ -3,7 +3,8 @@ eigendecompositions (issue 54, session 46; docs/results/step_prior.md, "Session 
 which the grid's spawn workers inherit (they import this module as their main module, so the patch applies in them
 too):
 
-* PROBE_MAX_WIDTH: `foovb.calibration.STEP_PRIOR_MAX_WIDTH` (the library's 512; 100000 lifts the limit);
+* PROBE_MAX_WIDTH: `foovb.calibration.STEP_PRIOR_MAX_FEATURES` (the most inputs or outputs widened; 100000 lifts
+  the limit);
 * PROBE_DELTA > 0: the eigendecompositions of matrix-variate factors wider than 512 are cached per block and refreshed
   only when the spectral norm of A - A_ref (A the factor's square root, A_ref the one at the last refresh; power
   iteration) exceeds PROBE_DELTA times A_ref's (the library's rule since session 47, `foovb.linalg.
@@ -39,7 +40,8 @@ import foovb.posteriors as posteriors  # noqa: E402
 from foovb.linalg import EighCache, factor_eigh, refreshed_factor_eigh  # noqa: E402
 
 WIDE = foovb.linalg.WIDE_FACTOR  # wider factors take the cached eigendecomposition
-foovb.calibration.STEP_PRIOR_MAX_WIDTH = int(os.environ.get("PROBE_MAX_WIDTH", foovb.calibration.STEP_PRIOR_MAX_WIDTH))
+foovb.calibration.STEP_PRIOR_MAX_FEATURES = int(os.environ.get("PROBE_MAX_WIDTH",
+                                                             foovb.calibration.STEP_PRIOR_MAX_FEATURES))
 REFRESH = int(os.environ.get("PROBE_REFRESH", "0"))
 DELTA = float(os.environ.get("PROBE_DELTA", "0"))
 RAYLEIGH = os.environ.get("PROBE_RAYLEIGH") == "1"
@@ -92,7 +94,8 @@ posteriors.refreshed_factor_eigh = counted_refreshed_eigh
 grid.run_one = counted_run_one
 
 if __name__ == "__main__":
-    print(f"STEP_PRIOR_MAX_WIDTH {foovb.calibration.STEP_PRIOR_MAX_WIDTH}, refresh every {REFRESH}, delta {DELTA}, "
+    print(f"STEP_PRIOR_MAX_FEATURES {foovb.calibration.STEP_PRIOR_MAX_FEATURES}, refresh every {REFRESH}, "
+          f"delta {DELTA}, "
           f"rayleigh {RAYLEIGH}", flush=True)
     if sys.argv[1:2] == ["suite"]:
         from foovb_suite.cli import main

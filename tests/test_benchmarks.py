@@ -53,7 +53,7 @@ def test_step_prior_costs_settings_patch_what_they_name():
     import foovb.calibration
     import foovb.linalg
 
-    limits = (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_WIDTH)
+    limits = (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_FEATURES)
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 1024, generator=generator), torch.randint(10, (8,), generator=generator))
                for _ in range(2)]
@@ -64,4 +64,4 @@ def test_step_prior_costs_settings_patch_what_they_name():
         counts[name] = learner.decompositions
         assert learner.steps == 2 and learner.seconds > 0
     assert counts == {"default": 1, "exact": 2, "narrow": 0, "no_step_prior": 0}
-    assert (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_WIDTH) == limits
+    assert (foovb.linalg.WIDE_FACTOR, foovb.calibration.STEP_PRIOR_MAX_FEATURES) == limits

@@ -10,7 +10,7 @@ from conftest import ce_closure
 from torch import nn
 
 from foovb import FOOVB
-from foovb.calibration import STEP_PRIOR_MAX_WIDTH, step_prior_blocks, variance_per_weight
+from foovb.calibration import STEP_PRIOR_MAX_FEATURES, step_prior_blocks, variance_per_weight
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -237,22 +237,25 @@ def test_the_output_layer_and_wide_matrix_layers_take_the_algorithms_step(family
     """step_prior widens every block but the last module's (weight and bias alike) and but matrix-variate layers
     with a factor wider than posterior="auto" makes (1,024 inputs and the bias); a norm layer's diagonal blocks in
     the matrix-variate family are widened, and so is "auto"'s widest matrix-variate layer."""
-    model = nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8),
+    model = nn.Sequential(nn.Linear(STEP_PRIOR_MAX_FEATURES + 1, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8),
                           nn.Linear(8, 3))  # the first layer's input factor: 1,025 inputs + 1 (bias)
     opt = FOOVB(model, family, step_prior=4)
     widened = {name: bool(block.mean_step_priors()) for block in opt.blocks
                for name, module in model.named_modules() if module is block.module}
     assert widened == {"0": family != "kronecker", "2": True, "3": True, "4": False}  # "auto": 0 is diagonal
-    widest = FOOVB(nn.Sequential(nn.Linear(STEP_PRIOR_MAX_WIDTH - 1, 8), nn.Linear(8, 3)), "auto", step_prior=4)
+    widest = FOOVB(nn.Sequential(nn.Linear(STEP_PRIOR_MAX_FEATURES, 8), nn.Linear(8, 3)), "auto", step_prior=4)
     assert widest.blocks[0].family == "kronecker" and widest.blocks[0].mean_step_priors()
     assert FOOVB(nn.Linear(4, 2), family, step_prior=4).blocks[0].mean_step_priors() == ()  # only an output layer
 
 
-@pytest.mark.parametrize("layer", [nn.Linear(3, STEP_PRIOR_MAX_WIDTH), nn.Linear(STEP_PRIOR_MAX_WIDTH, 3, bias=False)])
-def test_step_prior_leaves_matrix_variate_layers_exactly_as_wide_as_auto_leaves_diagonal(layer):
+@pytest.mark.parametrize(("inputs", "outputs", "bias"), [(3, STEP_PRIOR_MAX_FEATURES + 1, True),
+                                                          (STEP_PRIOR_MAX_FEATURES + 1, 3, False)])
+def test_step_prior_leaves_matrix_variate_layers_exactly_as_wide_as_auto_leaves_diagonal(inputs, outputs, bias):
     """posterior="kronecker" on a layer "auto" makes diagonal by one unit (1,025 outputs; 1,025 inputs without a
     bias, whose input factor is no wider than a 1,024-input layer's with its bias): the algorithm's step, as the
     docs say; one unit narrower it is widened."""
+    torch.manual_seed(0)
+    layer = nn.Linear(inputs, outputs, bias=bias)
     model = nn.Sequential(layer, nn.Linear(layer.out_features, 2))
     assert FOOVB(model, "auto").blocks[0].family == "diagonal"
     assert FOOVB(model, "kronecker", step_prior=4).blocks[0].mean_step_priors() == ()

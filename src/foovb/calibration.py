@@ -52,7 +52,7 @@ SAMPLES = 10  # sampled networks per measurement
 ROUNDS = 10  # measurements at most
 SLACK = 1.1  # a ratio up to SLACK x TARGET is accepted
 MIN_SHRINK = 0.05  # the variance shrinks by at most 20x per round
-STEP_PRIOR_MAX_WIDTH = AUTO_MAX_FEATURES + 1  # the widest factor step_prior widens: 1,024 inputs and the bias
+STEP_PRIOR_MAX_FEATURES = AUTO_MAX_FEATURES  # the most inputs (the bias aside) or outputs step_prior widens
 
 
 def first_tensor(output: object) -> Tensor | None:
@@ -131,15 +131,16 @@ def step_prior_blocks(blocks: Sequence[PosteriorBlock]) -> list[PosteriorBlock]:
     """The blocks step_prior widens: all but those of the last block's module (the model's output layer, in its
     parameter order), but matrix-variate layers with more than AUTO_MAX_FEATURES inputs (the bias aside) or outputs
     (those that posterior="kronecker" makes matrix-variate beyond "auto"'s limit, `affordable_matrix_variate`: their
-    eigendecompositions, even refreshed rarely, were not measured; the widest factor widened is STEP_PRIOR_MAX_WIDTH,
-    1,024 inputs and the bias) and but nn.MultiheadAttention's own parameters (its query, key and value projections; its
-    out_proj is a Linear of its own). The output layer's wider steps lost a class-incremental stream's first task: the
-    suite's two-task example kept 84.7% with them, 93.2% without, 94.2% with no step prior; the attention projections'
-    cost a one-layer Transformer encoder 3.3 points on i.i.d. MNIST rows, over 3 seeds (docs/results/step_prior.md)."""
+    eigendecompositions, even refreshed rarely, were not measured: STEP_PRIOR_MAX_FEATURES) and but
+    nn.MultiheadAttention's own parameters (its query, key and value projections; its out_proj is a Linear of its own).
+    The output layer's wider steps lost a class-incremental stream's first task: the suite's two-task example kept 84.7%
+    with them, 93.2% without, 94.2% with no step prior; the attention projections' cost a one-layer Transformer encoder
+    3.3 points on i.i.d. MNIST rows, over 3 seeds (docs/results/step_prior.md)."""
     output_layer = output_layer_blocks(blocks)
 
     def too_wide(block: PosteriorBlock) -> bool:
-        return isinstance(block, KroneckerBlock) and max(block.in_features, block.out_features) > AUTO_MAX_FEATURES
+        return isinstance(block, KroneckerBlock) and max(block.in_features,
+                                                         block.out_features) > STEP_PRIOR_MAX_FEATURES
 
     return [block for block in blocks if block not in output_layer and not too_wide(block)
             and not isinstance(block.module, nn.MultiheadAttention)]
