@@ -289,6 +289,61 @@ def test_micro_batches_inside_the_closure_are_scaled_each_or_refused(family):
     assert all_equal(posterior_snapshot(opt), before)
 
 
+def _step_on(loss_fn, x, y, batch_size=None, **options):
+    """The diagonal optimizer after one step of loss_fn(model(x), y) on mlp(0) (K = 4, seed 3)."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, "diagonal", 4, seed=3, **options)
+    opt.step(closure_of(model, loss_fn, x, y), batch_size=batch_size)
+    return opt
+
+
+def test_weighted_smoothing_on_flattened_tokens_or_one_row_and_masked_means_take_the_summed_step():
+    """The review's cases: label smoothing with ignored targets over per-token logits flattened to (rows x tokens,
+    classes) (the smoothing's sum runs over 4 times the input's rows); weighted label smoothing on a batch of one
+    row (the last batch of an epoch), read as a mean over the target's weight, not over 1 row; a loss function's
+    sum divided by the count kept, with that count as batch_size (it was refused as "a sum"); a mean with float
+    weights whose total is 8 up to rounding, with batch_size=8 (it was refused by an exact comparison)."""
+    tokens, ignored = X.reshape(2, 4, 4), Y.clone()
+    ignored[[1, 6]] = -100
+
+    def flat(reduction):
+        return lambda out, y: F.cross_entropy(out.reshape(-1, 3), y, ignore_index=-100, label_smoothing=0.1,
+                                              reduction=reduction)
+
+    assert_same_posterior(_step_on(flat("mean"), tokens, ignored),
+                          _step_on(flat("sum"), tokens, ignored, loss_reduction="sum"))
+
+    def weighted(reduction):
+        return lambda out, y: F.cross_entropy(out, y, weight=WEIGHT, label_smoothing=0.1, reduction=reduction)
+
+    assert_same_posterior(_step_on(weighted("mean"), X[:1], Y[:1]), _step_on(weighted("sum"), X[:1], Y[:1]))
+
+    def counted(out, y):
+        return F.cross_entropy(out, y, ignore_index=-100, reduction="sum") / (y != -100).sum()
+
+    assert_same_posterior(_step_on(counted, X, ignored, batch_size=6),
+                          _step_on(lambda out, y: F.cross_entropy(out, y, ignore_index=-100, reduction="sum"), X,
+                                   ignored))
+    importance = torch.full((8,), 0.1) / 0.1  # 1.0000000 each, in float32: sums to 8 up to rounding
+    _step_on(lambda out, y: (importance * F.cross_entropy(out, y, reduction="none")).sum() / importance.sum(), X, Y,
+             batch_size=8)
+
+
+def test_micro_batches_of_unequal_means_divided_by_their_number_name_reduction_sum():
+    """(loss / 3).backward() over micro-batches of 3, 3 and 2 rows: no one batch_size gives the summed step (it
+    was advised 'batch_size=2 or 3')."""
+    model = mlp(seed=0)
+
+    def closure():
+        for start, stop in ((0, 3), (3, 6), (6, 8)):
+            (F.cross_entropy(model(X[start:stop]), Y[start:stop]) / 3).backward()
+        return torch.tensor(0.0)
+
+    with pytest.raises(ValueError, match=r"backward\(\) 3 times, each on 0.333333 times a mean, over 3, 3, 2 terms: "
+                                         r".*No one batch_size .* reduction='sum' for each micro-batch"):
+        FOOVB(model, "diagonal", 4, seed=3).step(closure)
+
+
 def test_micro_batch_means_divided_by_their_number_name_the_whole_batch_first():
     """The common recipe `(loss / k).backward()` per micro-batch: refused (the 1/k could be each example's), naming
     the whole batch's k n rows first, the fix that gives the one-batch step, and the micro-batch's n second (the

@@ -183,6 +183,8 @@ def test_overrides_and_yaml_file(tmp_path) -> None:
      r"^scenario.epochs_per_tsk: unknown key \(did you mean 'epochs_per_task'\?\)"),
     ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["learner.params={lr:0.001}"],  # YAML's key lr:0.001
      r"YAML reads 'lr:0.001' as one key with no value; a colon needs a space after it: \{lr: 0.001\}"),
+    ("scenario: {kind: split_mnist}\nlearner: {kind: sgd}\n", ["model.args={block: {hidden:64}}"],  # nested
+     r"YAML reads 'hidden:64' as one key"),
 ])
 def test_config_files_that_are_not_complete_runs_are_errors(tmp_path, text, overrides, message) -> None:
     path = tmp_path / "c.yaml"
@@ -1066,7 +1068,7 @@ def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, 
     assert digests[0] == digests[1] != digests[2] and len(digests[0]) == 64
     capsys.readouterr()
     assert main(["compare", "a", "b", "c", "--out", "cmp"]) == 0
-    assert "['a', 'b'] and ['c'] have one config but were trained on different data" in capsys.readouterr().err
+    assert "[a, b] and [c] have one config but were trained on different data" in capsys.readouterr().err
     with open("cmp/compare_seeds.csv") as f:
         rows = [(r["runs"], r["num_runs"]) for r in csv.DictReader(f) if r["mode"] == "mean"]
     assert rows == [("a b", "2"), ("c", "1")]

@@ -52,7 +52,10 @@ class LossReduction(NamedTuple):
     reduction="sum", which is trusted); nan otherwise. mean_inside: for a loss that is neither, the number of
     terms of a mean among its operands (a mean loss plus a regulariser), else nan. factor: the constant the mean or
     sum was multiplied by last (constants inside a sum of two means over the same terms, as in label smoothing,
-    weigh each example's terms and are not counted).
+    weigh each example's terms and are not counted). divided_by: the constant a `.sum()` (also of one row) was
+    divided by where it is not its own count (a total weight, a count of the targets kept, a mask's count).
+    summed_rows: a mean read from such a sum added to a mean over divided_by terms (label smoothing with class
+    weights or ignored targets): the sum's leading rows, which must be per-example terms (`loss_scale` checks).
     """
 
     kind: str
@@ -62,7 +65,7 @@ class LossReduction(NamedTuple):
     of_one_row: str = ""  # "sum" / "mean" of a one-element tensor made by `kind`: a batch's loss if it has one row
     values: float = math.nan  # a .sum()'s number of values summed (rows x tokens of a per-token loss)
     divided_by: float = math.nan  # a .sum() divided by a constant other than its own counts (a total weight)
-    summed_rows: float = math.nan  # a mean that holds such a sum: the sum's leading rows (the model's input's?)
+    summed_rows: float = math.nan  # a mean that holds such a sum: the sum's leading rows
 
 
 def _constant_operand(node: object) -> tuple[object, float] | None:
@@ -115,8 +118,8 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor in (found.terms,
                                                                                             found.values):
             return LossReduction("mean", divisor)
-        if found.kind == "sum" and found.factor == 1 and divisor is not None:  # by a total weight, a count of
-            return found._replace(factor=constant[1], divided_by=divisor)  # targets not ignored (label smoothing)
+        if "sum" in (found.kind, found.of_one_row) and found.factor == 1 and divisor is not None:  # by a total
+            return found._replace(factor=constant[1], divided_by=divisor)  # weight, a count of targets kept
         return found._replace(factor=found.factor * constant[1])
     if name in _SHAPE_ONLY:  # a one-element tensor reshaped, cloned or cast: itself
         return _read(node.next_functions[0][0], depth + 1)
@@ -159,9 +162,9 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         # plus the smoothing term's sum over the rows divided by T, a mean of each row's weighted terms over T
         # (if those rows are the model's input's: loss_scale checks)
         mean, summed = sorted(parts, key=lambda part: part.kind != "mean") if len(parts) == 2 else (None, None)
-        if mean is not None and mean.kind == "mean" and summed.kind == "sum" and math.isclose(
-                summed.divided_by, mean.terms, rel_tol=1e-5):
-            return LossReduction("mean", mean.terms, summed_rows=summed.terms)
+        if mean is not None and mean.kind == "mean" and "sum" in (summed.kind, summed.of_one_row) and math.isclose(
+                summed.divided_by, mean.terms, rel_tol=1e-5):  # (a one-row batch's: a .sum() of one element)
+            return LossReduction("mean", mean.terms, summed_rows=summed.terms if summed.kind == "sum" else 1.0)
         if len(parts) == 2 and parts[0].kind == parts[1].kind == "sum":  # label smoothing with reduction="sum"
             rows = {part.terms for part in parts if not math.isnan(part.terms)}
             if len(rows) <= 1:
@@ -196,8 +199,8 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     """
     kind, terms, mean_inside, factor, of_one_row, values, divided_by, summed_rows = (
         reduction if reduction is not None else LossReduction(_NO_BACKWARD, math.nan))
-    if not math.isnan(summed_rows) and summed_rows not in rows:  # a sum over other rows than the input's: no
-        kind, terms, mean_inside = "AddBackward0", math.nan, terms  # per-example term (a regulariser?)
+    if not math.isnan(summed_rows) and not any(summed_rows % row == 0 for row in rows):  # rows, or tokens of
+        kind, terms, mean_inside = "AddBackward0", math.nan, terms  # them flattened; else not per-example terms
     if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
         kind, terms = of_one_row, 1.0
     if factor == 0:
@@ -214,13 +217,19 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
     batch = next(iter(rows)) if len(rows) == 1 else None
     n = batch if batch is not None else (None if math.isnan(mean_inside) else f"{mean_inside:g}")
     if batch_size is not None:
-        if kind == "sum" and not math.isnan(divided_by) and batch_size != divided_by:  # a masked mean over D values
-            raise ValueError(                    # is multiplied by D, a scaled sum by nothing: no other n fits
+        if kind == "sum" and not math.isnan(divided_by):  # a masked mean over D values is multiplied by D, a scaled
+            if math.isclose(batch_size, divided_by, rel_tol=1e-5):  # sum by nothing: no other n fits
+                return float(batch_size)
+            what = f"a .sum() over {terms:g} rows" if not math.isnan(terms) else "a loss function's sum"
+            count = (f"takes batch_size={round(divided_by)}, the count at every step" if
+                     math.isclose(divided_by, round(divided_by), rel_tol=1e-5) and round(divided_by) >= 1
+                     else "cannot be given as a batch_size (not a whole number): use FOOVB(..., "
+                     "loss_reduction='sum') on the sum itself")
+            raise ValueError(
                 f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} terms, but it "
-                f"is a .sum() over {terms:g} rows divided by {divided_by:g}: a mean over {divided_by:g} values "
-                f"(a masked mean, .sum() / mask.sum()) takes batch_size={divided_by:g}, the count at every step; a "
-                f"sum whose 1/{divided_by:g} belongs to each example's loss takes no batch_size, with "
-                "FOOVB(..., loss_reduction='sum')")
+                f"is {what} divided by {divided_by:g}: a mean over {divided_by:g} values (a masked mean, "
+                f".sum() / mask.sum()) {count}; a sum whose 1/{divided_by:g} belongs to each example's loss takes no "
+                "batch_size, with FOOVB(..., loss_reduction='sum')")
         if kind == "sum" and (math.isnan(terms) or terms == batch_size):  # a loss function's sum, or over the rows
             raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean, but it is a sum: "
                              "drop batch_size")
@@ -474,12 +483,18 @@ class LossSpy(TorchFunctionMode):
         "" for any other closure."""
         first = self.reductions[0]
         if first.kind != "mean" or first.factor == 1 or any(
-                (r.kind, r.terms, r.factor) != (first.kind, first.terms, first.factor) for r in self.reductions):
+                (r.kind, r.factor) != (first.kind, first.factor) for r in self.reductions):
             return ""
         calls, terms, factor = len(self.reductions), first.terms, first.factor
+        if any(r.terms != terms for r in self.reductions):  # unequal micro-batches, or class weights: no one n
+            return (f"the closure called backward() {calls} times, each on {factor:g} times a mean, over "
+                    f"{', '.join(f'{r.terms:g}' for r in self.reductions)} terms: gradient accumulation over "
+                    "micro-batches (loss / k)? No one batch_size turns these means into the batch's summed loss: "
+                    "use the loss function's reduction='sum' for each micro-batch, without the division")
         whole = terms / factor
-        batch = (f"step(closure, batch_size={whole:g}) (the whole batch: {1 / factor:g} x {terms:g})"
-                 if float(whole).is_integer() and whole >= 1 else "drop the constant from each loss")
+        shares = f" (the whole batch: {calls} x {terms:g})" if math.isclose(calls * factor, 1) else ""
+        batch = (f"step(closure, batch_size={whole:g}){shares}" if float(whole).is_integer() and whole >= 1
+                 else "drop the constant from each loss")
         return (f"the closure called backward() {calls} times, each on {factor:g} times a mean over {terms:g} "
                 f"terms: gradient accumulation over micro-batches (loss / k)? Whether {factor:g} scales the whole "
                 f"batch or belongs to each example's loss (a Gaussian's 1/2) cannot be read from it. The first: "

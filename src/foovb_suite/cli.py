@@ -139,17 +139,22 @@ def _seed_rows(runs: list[dict]) -> list[list]:
     task's final accuracy averaged over them (" / " between tasks); runs are named by their "name" entry."""
     from .loading import experiment_key
 
-    groups: dict[tuple[str, str | None], list[dict]] = {}
-    for r in runs:  # the same config on other data (a custom factory edited between runs): another experiment
-        groups.setdefault((experiment_key(r["config"]), r["summary"].get("run", {}).get("data")), []).append(r)
-    for key in {key for key, _ in groups}:
-        split = [[r["name"] for r in group] for (other, _), group in groups.items() if other == key]
-        if len(split) > 1:
-            print(f"foovb: warning: {' and '.join(map(str, split))} have one config but were trained on different "
-                  "data (the custom scenario's SHA-256 in summary.json): not averaged as seeds of one experiment",
-                  file=sys.stderr)
+    by_config: dict[str, list[dict]] = {}
+    for r in runs:
+        by_config.setdefault(experiment_key(r["config"]), []).append(r)
+    groups: list[list[dict]] = []
+    for same_config in by_config.values():  # on other data (a custom factory edited between runs): apart
+        recorded = [r["summary"].get("run", {}) for r in same_config]  # (summaries before session 53: no record)
+        by_data: dict[str | None, list[dict]] = {}
+        for r, run in zip(same_config, recorded, strict=True):
+            by_data.setdefault(run.get("data") if all("data" in run for run in recorded) else None, []).append(r)
+        if len(by_data) > 1:
+            split = " and ".join(f"[{', '.join(r['name'] for r in group)}]" for group in by_data.values())
+            print(f"foovb: warning: {split} have one config but were trained on different data (the custom "
+                  "scenario's SHA-256 in summary.json): not averaged as seeds of one experiment", file=sys.stderr)
+        groups.extend(by_data.values())
     rows = []
-    for group in groups.values():
+    for group in groups:
         configs = [config_from_dict(r["config"]) for r in group]
         seeds = [(c.seed, c.scenario.seed) for c in configs]
         if len(set(seeds)) < len(seeds):

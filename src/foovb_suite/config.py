@@ -395,6 +395,23 @@ def protocol_of(config: Config) -> dict[str, Any]:
     return flat
 
 
+def _glued_key(value: Any) -> str | None:
+    """A key of a mapping in `value` (nested too) written `name:number` or `name:true` with no value: YAML read
+    `{lr:0.001}`, the colon without its space, as one key."""
+    if isinstance(value, list):
+        return next((key for item in value if (key := _glued_key(item)) is not None), None)
+    if not isinstance(value, dict):
+        return None
+    for key, item in value.items():
+        name, colon, rest = str(key).partition(":")
+        if item is None and colon and name.isidentifier() and re.fullmatch(r"[-+.\w]+", rest) \
+                and isinstance(yaml.safe_load(rest), bool | int | float):
+            return str(key)
+        if (nested := _glued_key(item)) is not None:
+            return nested
+    return None
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `key.sub=value` overrides (value parsed as YAML) to a raw config mapping."""
     if not isinstance(data, dict):
@@ -413,8 +430,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {part} is not a mapping")
         value = parse_yaml(raw, f"--set {key}")
-        glued = next((k for k, v in value.items() if isinstance(k, str) and ":" in k and v is None), None) \
-            if isinstance(value, dict) else None
+        glued = _glued_key(value)
         if glued is not None:  # {lr:0.001}: YAML's key "lr:0.001", with no value
             name, _, rest = glued.partition(":")
             raise ConfigError(f"--set {item!r}: YAML reads {glued!r} as one key with no value; a colon needs a "

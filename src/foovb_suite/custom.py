@@ -167,7 +167,7 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
                           f"{len(tasks)} Datasets, not a list of tasks: return one (train, test) pair per task, "
                           "[(train_0, test_0), (train_1, test_1), ...]")
     if isinstance(tasks, list | tuple):
-        if not tasks:
+        if not tasks:  # (InMemoryTasks says so too, after the num_tasks error below would have)
             raise ConfigError(f"scenario.factory {scenario.factory!r} returned no tasks (an empty "
                               f"{type(tasks).__name__}): return one (train, test) pair per task")
         if len(tasks) < scenario.num_tasks:
@@ -180,7 +180,7 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
     except ValueError as error:
         raise ConfigError(f"scenario.factory {scenario.factory!r}: {error}") from error
     if scenario.num_classes is None:
-        _refuse_classes_only_tested(in_memory, scenario.factory)
+        _refuse_classes_only_tested(in_memory, scenario)
         return in_memory
     if scenario.num_classes < in_memory.num_classes:
         raise ConfigError(f"scenario.num_classes: {scenario.num_classes}, but the labels of scenario.factory "
@@ -188,7 +188,7 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
     return InMemoryTasks(in_memory.train, in_memory.test, scenario.num_classes)
 
 
-def _refuse_classes_only_tested(tasks: InMemoryTasks, factory: str) -> None:
+def _refuse_classes_only_tested(tasks: InMemoryTasks, scenario: ScenarioConfig) -> None:
     """The model's outputs are the largest label + 1 when scenario.num_classes is not set: a test label that no
     training set holds (a label out of range?) would silently add outputs that no example trains. Set
     scenario.num_classes to say the classes are meant."""
@@ -196,10 +196,12 @@ def _refuse_classes_only_tested(tasks: InMemoryTasks, factory: str) -> None:
     for task, (_, labels) in enumerate(tasks.test):
         untrained = sorted(set(labels.unique().tolist()) - trained)
         if untrained:
+            read = (f" (of the first {scenario.train_subset} examples of each, scenario.train_subset: a dataset "
+                    "ordered by class?)" if scenario.train_subset is not None else "")
             raise ConfigError(
-                f"scenario.factory {factory!r}: task {task}'s test set has label(s) {untrained[:5]} that no training "
-                f"set holds, and the model's outputs are the largest label + 1 ({tasks.num_classes}): a label out of "
-                "range? If those classes are meant, set scenario.num_classes")
+                f"scenario.factory {scenario.factory!r}: task {task}'s test set has label(s) {untrained[:5]} that no "
+                f"training set holds{read}, and the model's outputs are the largest label + 1 ({tasks.num_classes}): "
+                "a label out of range? If those classes are meant, set scenario.num_classes")
 
 
 def custom_model(model: ModelConfig, input_shape: Sequence[int], num_outputs: int, device: torch.device) -> nn.Module:
