@@ -98,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{summary['learner']} [{mode}]: average accuracy {entry['average_accuracy']:.4f}, "
               f"first task {entry['first_task_accuracy']:.4f}")
     print(f"outputs in {run_dir}")
-    where = path.parent.resolve()
+    where = Path(path).resolve().parent  # as config_directory finds the factories
     if (config.model.kind == "custom" or config.scenario.kind == "custom") and where != Path.cwd().resolve():
         print(f"model: foovb_suite.load_model({str(run_dir.resolve())!r}) (learner: load_learner), run in {where} or "
               "with it on sys.path: the factories' modules are there")
