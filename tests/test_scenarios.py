@@ -576,7 +576,11 @@ class _Stream(IterableDataset):
                                                     "Tensor"),
     ([(_Stream(), _Stream())], {}, "task 0's training set: .*got an IterableDataset, which cannot be indexed"),
     ([(_ListDataset([torch.zeros(2)]), _ListDataset([]))], {},
-     r"task 0's training set, example 0: expected an \(x, y\) pair, got Tensor"),
+     r"task 0's training set, example 0: expected an \(x, y\) pair, got a Tensor"),
+    ([(_ListDataset([(torch.zeros(2), 0, 0)]), _ListDataset([]))], {},  # a tuple of 3 is said so
+     r"task 0's training set, example 0: expected an \(x, y\) pair, got a tuple of 3"),
+    ([(TensorDataset(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]), torch.zeros(2, dtype=torch.long)),) * 2], {},
+     r"task 0's training set: non-finite inputs \(NaN or inf\) in 1 example\(s\), the first example 1"),
     ([(_ListDataset([(torch.zeros(2), 0.5)]), _ListDataset([]))], {},
      "example 0: the label is 0.5, expected an integer class index >= 0"),
     ([(_ListDataset([(torch.zeros(2), torch.tensor(-1))]), _ListDataset([]))], {}, "the label is tensor\\(-1\\)"),
