@@ -144,10 +144,11 @@ def _seed_rows(runs: list[dict]) -> list[list]:
         by_config.setdefault(experiment_key(r["config"]), []).append(r)
     groups: list[list[dict]] = []
     for same_config in by_config.values():  # on other data (a custom factory edited between runs): apart
-        recorded = [r["summary"].get("run", {}) for r in same_config]  # (summaries before session 53: no record)
+        recorded = [r["summary"].get("run", {}) for r in same_config]
+        known = all("data" in record for record in recorded)  # summaries before session 53 do not record it
         by_data: dict[str | None, list[dict]] = {}
-        for r, run in zip(same_config, recorded, strict=True):
-            by_data.setdefault(run.get("data") if all("data" in run for run in recorded) else None, []).append(r)
+        for r, record in zip(same_config, recorded, strict=True):
+            by_data.setdefault(record["data"] if known else None, []).append(r)
         if len(by_data) > 1:
             split = " and ".join(f"[{', '.join(r['name'] for r in group)}]" for group in by_data.values())
             print(f"foovb: warning: {split} have one config but were trained on different data (the custom "

@@ -167,7 +167,7 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
                           f"{len(tasks)} Datasets, not a list of tasks: return one (train, test) pair per task, "
                           "[(train_0, test_0), (train_1, test_1), ...]")
     if isinstance(tasks, list | tuple):
-        if not tasks:  # (InMemoryTasks says so too, after the num_tasks error below would have)
+        if not tasks:  # said here: the num_tasks error below would advise "num_tasks: 0"
             raise ConfigError(f"scenario.factory {scenario.factory!r} returned no tasks (an empty "
                               f"{type(tasks).__name__}): return one (train, test) pair per task")
         if len(tasks) < scenario.num_tasks:
