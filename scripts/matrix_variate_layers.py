@@ -7,7 +7,10 @@ Models (`--model`):
 * `conv1d`: an MNIST digit read as a sequence of 28 rows (28 channels, 28 steps): Conv1d(28, 32, 5, stride 2), ReLU,
   Conv1d(32, 32, 3, stride 2), ReLU, Linear(160, outputs);
 * `gru`, `lstm`: the grid's recurrent model (a 14 x 14 digit read row by row by a 64-unit GRU, then a Linear head),
-  with an LSTM for `lstm`.
+  with an LSTM for `lstm`;
+* `rescnn` (session 53, a lead from a user's trial): a residual CNN, a stride-2 stem and 3 blocks of two 3 x 3
+  convolutions with BatchNorm and a skip connection (16, 32 stride 2, 32 channels), global average pooling and a
+  Linear head; its Conv2d layers are matrix-variate under `FOOVB(model)`, `diagonal_before` makes them diagonal.
 The streams, batch sizes, examples per task, losses and metrics are the robustness grid's
 (`benchmarks/robustness_grid.py`: permuted, rotated, Split MNIST, i.i.d.); every learner of a cell and seed starts
 from the same weights and batches. Learners: `matrix_variate` (conv1d: `FOOVB(model)`; gru, lstm: `FOOVB(model,
@@ -65,7 +68,34 @@ class RowLSTM(grid.RowGRU):
         self.gru = nn.LSTM(14, 64, batch_first=True)  # the forward reads [0], the outputs, of either
 
 
-MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lstm": (RowLSTM, nn.RNNBase)}
+class ResidualBlock(nn.Module):
+    """Two 3 x 3 convolutions with BatchNorm, added to the input (through a 1 x 1 convolution where the shape
+    changes)."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False), nn.BatchNorm2d(outputs),
+                                  nn.ReLU(), nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False), nn.BatchNorm2d(outputs))
+        self.skip = nn.Identity() if inputs == outputs and stride == 1 else nn.Sequential(
+            nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (self.body(x) + self.skip(x)).relu()
+
+
+class ResidualCNN(nn.Module):
+    def __init__(self, num_outputs: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                  ResidualBlock(16, 16, 1), ResidualBlock(16, 32, 2), ResidualBlock(32, 32, 1))
+        self.head = nn.Linear(32, num_outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lstm": (RowLSTM, nn.RNNBase),
+          "rescnn": (ResidualCNN, nn.Conv2d)}
 
 
 @contextlib.contextmanager
@@ -130,7 +160,8 @@ def main() -> None:
     recurrent = MODELS[args.model][1] is nn.RNNBase
     mine_label = (('`FOOVB(model, "kronecker")`' if recurrent else "`FOOVB(model)`")
                   + f", {args.model} matrix-variate" + (" (weight_ih only)" if args.matrices == "ih" else ""))
-    before_label = "`FOOVB(model)`, recurrent layers diagonal" if recurrent else "the same, Conv1d diagonal (before)"
+    before_label = ("`FOOVB(model)`, recurrent layers diagonal" if recurrent else "the same, Conv1d diagonal (before)"
+                    if args.model == "conv1d" else f"the same, {MODELS[args.model][1].__name__} diagonal")
     table = [f"| cell | best baseline: average (first task) | {mine_label}: average (first task), vs the best "
              f"baseline | {before_label}: average (first task), vs the best baseline |", "|---|---|---|---|"]
     for cell in cells:
