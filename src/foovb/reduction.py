@@ -115,11 +115,10 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         divisor = _divisor(node)
         # a .sum() over n rows divided by n is a mean over them (F.cross_entropy's label smoothing term), one over
         # all its values divided by their number a mean over those (a per-token loss of shape (rows, tokens))
-        if found.kind == "sum" and found.factor == 1 and divisor is not None and divisor in (found.terms,
-                                                                                            found.values):
-            return LossReduction("mean", divisor)
-        if "sum" in (found.kind, found.of_one_row) and found.factor == 1 and divisor is not None:  # by a total
-            return found._replace(factor=constant[1], divided_by=divisor)  # weight, a count of targets kept
+        if "sum" in (found.kind, found.of_one_row) and found.factor == 1 and divisor is not None:
+            if found.kind == "sum" and divisor in (found.terms, found.values):
+                return LossReduction("mean", divisor)
+            return found._replace(factor=constant[1], divided_by=divisor)  # by a total weight, a count kept
         return found._replace(factor=found.factor * constant[1])
     if name in _SHAPE_ONLY:  # a one-element tensor reshaped, cloned or cast: itself
         return _read(node.next_functions[0][0], depth + 1)

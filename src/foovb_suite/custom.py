@@ -162,14 +162,14 @@ def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:
     """The first ``scenario.num_tasks`` tasks that ``scenario.factory`` returns, read into memory (the first
     ``scenario.train_subset`` training examples of each, when given)."""
     tasks = _call_factory("scenario", scenario.factory, scenario.args)
-    if isinstance(tasks, list | tuple) and tasks and all(isinstance(part, Dataset) for part in tasks):
-        raise ConfigError(f"scenario.factory {scenario.factory!r} returned a {type(tasks).__name__} of "
-                          f"{len(tasks)} Datasets, not a list of tasks: return one (train, test) pair per task, "
-                          "[(train_0, test_0), (train_1, test_1), ...]")
-    if isinstance(tasks, list | tuple):
-        if not tasks:  # said here: the num_tasks error below would advise "num_tasks: 0"
+    if isinstance(tasks, list | tuple):  # before the num_tasks error, which would advise their count
+        if not tasks:
             raise ConfigError(f"scenario.factory {scenario.factory!r} returned no tasks (an empty "
                               f"{type(tasks).__name__}): return one (train, test) pair per task")
+        if all(isinstance(part, Dataset) for part in tasks):
+            raise ConfigError(f"scenario.factory {scenario.factory!r} returned a {type(tasks).__name__} of "
+                              f"{len(tasks)} Datasets, not a list of tasks: return one (train, test) pair per task, "
+                              "[(train_0, test_0), (train_1, test_1), ...]")
         if len(tasks) < scenario.num_tasks:
             raise ConfigError(f"scenario.num_tasks: {scenario.num_tasks}, but scenario.factory {scenario.factory!r} "
                               f"returned {len(tasks)} task(s); set scenario.num_tasks: {len(tasks)} (or fewer: the "
