@@ -18,7 +18,8 @@ from the same weights and batches. Learners: `matrix_variate` (conv1d: `FOOVB(mo
 Conv1d or recurrent layers diagonal: conv1d, `FOOVB(model)` before session 52; gru, lstm: `FOOVB(model)`; only the
 family of those layers differs), `--matrices ih` (recurrent layers: only the input matrices weight_ih
 matrix-variate, a candidate not kept), and the grid's baselines. Prints per cell the average accuracy (%) over tasks
-and the first task's, and the FOO-VB rows minus the best baseline.
+and the first task's, and the FOO-VB rows minus the best baseline; the table also gives the first task as learned
+(right after its own training, drift cells: what it can keep at most).
 
     python scripts/matrix_variate_layers.py [--model conv1d] [--seeds 0,1] [--cells permuted/16,...]
         [--examples 3072] [--matrices all|ih] [--out FILE.jsonl] [--table FILE.md]
@@ -162,8 +163,9 @@ def main() -> None:
                   + f", {args.model} matrix-variate" + (" (weight_ih only)" if args.matrices == "ih" else ""))
     before_label = ("`FOOVB(model)`, recurrent layers diagonal" if recurrent else "the same, Conv1d diagonal (before)"
                     if args.model == "conv1d" else f"the same, {MODELS[args.model][1].__name__} diagonal")
-    table = [f"| cell | best baseline: average (first task) | {mine_label}: average (first task), vs the best "
-             f"baseline | {before_label}: average (first task), vs the best baseline |", "|---|---|---|---|"]
+    table = [f"| cell | best baseline: average (first task) | {mine_label}: average (first task; as learned), vs "
+             f"the best baseline | {before_label}: average (first task; as learned), vs the best baseline |",
+             "|---|---|---|---|"]
     for cell in cells:
         for learner in learners:
             for seed in seeds:
@@ -178,8 +180,10 @@ def main() -> None:
             if any(r["diverged"] for r in records):
                 rows[learner] = None
                 continue
+            learned = [r["first_learned"] for r in records if r.get("first_learned") is not None]
             rows[learner] = (statistics.fmean(statistics.fmean(r["tasks"]) for r in records),
-                             statistics.fmean(r["tasks"][0] for r in records))
+                             statistics.fmean(r["tasks"][0] for r in records),
+                             statistics.fmean(learned) if len(learned) == len(records) else None)
         # as the grid: each of SGD and Adam at its lr of the best average; the better average, the better first task
         tuned = [max((value for name, value in rows.items() if name.startswith(kind) and value), default=(0, 0))
                  for kind in ("sgd_", "adam_")]
@@ -191,8 +195,10 @@ def main() -> None:
             line.append(f"{learner} diverged" if value is None else
                         f"{learner} {value[0]:5.1f} ({value[0] - best[0]:+5.1f}; first {value[1]:5.1f}, "
                         f"{value[1] - best[1]:+5.1f})")
+            learned = "" if value is None or value[2] is None else f"; as learned {value[2]:.1f}"
             cells_md.append("diverged" if value is None else
-                            f"{value[0]:.1f} ({value[1]:.1f}), {value[0] - best[0]:+.1f} ({value[1] - best[1]:+.1f})")
+                            f"{value[0]:.1f} ({value[1]:.1f}{learned}), {value[0] - best[0]:+.1f} "
+                            f"({value[1] - best[1]:+.1f})")
         print(" | ".join(line), flush=True)
         table.append("| " + " | ".join(cells_md) + " |")
     if args.table:

@@ -260,22 +260,50 @@ def test_sampled_params_inside_autocast_give_the_sampled_network():
     assert torch.equal(again, mean_output)
 
 
-def test_batch_norm_running_statistics_are_updated_once_with_the_samples_average():
+def _first_layer_outputs(model: nn.Module) -> tuple[list[torch.Tensor], object]:
+    seen = []
+    return seen, model[0].register_forward_hook(lambda module, inputs, out: seen.append(out.detach().clone()))
+
+
+def _updated_once_from(outputs: list[torch.Tensor], bn: nn.BatchNorm1d) -> None:
+    """bn's running statistics: one update from the initial ones (0, 1) with the mean and unbiased variance over
+    `outputs` of each one's batch statistics."""
+    means = torch.stack([out.mean(0) for out in outputs]).mean(0)
+    variances = torch.stack([out.var(0, unbiased=True) for out in outputs]).mean(0)
+    torch.testing.assert_close(bn.running_mean, bn.momentum * means)
+    torch.testing.assert_close(bn.running_var, (1 - bn.momentum) + bn.momentum * variances)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_batch_norm_running_statistics_are_the_new_means():
+    """Updated once per step, by one forward of the new mean (the closure called once more after the K samples):
+    the network that predicts in eval mode, whose activations the samples' wider ones would misnormalise."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
-    bn = model[1]
-    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3, secant_check=False)  # the samples' forwards only
-    seen = []
-    hook = model[0].register_forward_hook(lambda module, inputs, out: seen.append(out.detach().clone()))
+    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3, secant_check=False)
+    seen, hook = _first_layer_outputs(model)
     opt.step(_closure(model, lambda m: F.cross_entropy(m(X), Y)))
     hook.remove()
+    assert len(seen) == 5  # the K samples, then the new mean
+    with torch.no_grad():
+        torch.testing.assert_close(seen[-1], model[0](X))  # the model holds the new mean
+    assert not torch.allclose(seen[0], seen[-1])
+    _updated_once_from(seen[-1:], model[1])
+
+
+def test_batch_norm_running_statistics_of_sampled_params_steps_are_the_samples_average():
+    """A step of sampled_params(train=True) blocks has no closure to run at the new mean: the K samples' average."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
+    opt = FOOVB(model, "diagonal", 4, seed=1, std_init=0.3, secant_check=False)
+    seen, hook = _first_layer_outputs(model)
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            F.cross_entropy(model(X), Y).backward()
+    opt.step()
+    hook.remove()
     assert len(seen) == 4
-    momentum = bn.momentum
-    batch_means = torch.stack([out.mean(0) for out in seen])
-    batch_vars = torch.stack([out.var(0, unbiased=True) for out in seen])
-    torch.testing.assert_close(bn.running_mean, momentum * batch_means.mean(0))  # from 0
-    torch.testing.assert_close(bn.running_var, (1 - momentum) + momentum * batch_vars.mean(0))  # from 1
-    assert int(bn.num_batches_tracked) == 1
+    _updated_once_from(seen, model[1])
 
 
 @pytest.mark.parametrize("family", ["diagonal", "kronecker"])

@@ -93,9 +93,9 @@ def test_the_secant_fraction():
     assert secant_fraction(step, grad, [torch.tensor([math.nan, 0.0])]) == 1.0
 
 
-def closure_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+def closure_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn=F.mse_loss):
     def closure() -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         return loss
 
@@ -144,20 +144,29 @@ def test_the_check_tames_the_first_steps_of_a_small_tanh_regression_net():
     assert max(curves[True]) < 2 * curves[True][0] and curves[True][-1] < curves[True][0] / 4
 
 
-def test_batch_norm_statistics_are_the_samples_average_either_way():
+def test_batch_norm_statistics_are_the_new_means_either_way():
+    """The secant check's forward at the new mean leaves batch norm its statistics; without the check the closure
+    runs there once more: the same statistics (the step is not cut here: the same means)."""
     x = torch.randn(32, 4)
-    y = torch.randn(32, 1)
-    stats = []
+    y = torch.randint(3, (32,))
+    results = []
     for secant_check in (False, True):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
         opt = FOOVB(model, "kronecker", secant_check=secant_check, seed=0)
-        opt.step(closure_of(model, x, y))
+        calls = []
+        closure = closure_of(model, x, y, F.cross_entropy)
+        opt.step(lambda closure=closure, calls=calls: calls.append(1) or closure())
         bn = model[1]
-        stats.append((bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked)))
-    torch.testing.assert_close(stats[1][0], stats[0][0])
-    torch.testing.assert_close(stats[1][1], stats[0][1])
-    assert stats[1][2] == stats[0][2] == 1
+        with torch.no_grad():
+            hidden = model[0](x)
+        expected = (bn.momentum * hidden.mean(0), (1 - bn.momentum) + bn.momentum * hidden.var(0, unbiased=True))
+        torch.testing.assert_close(bn.running_mean, expected[0])
+        torch.testing.assert_close(bn.running_var, expected[1])
+        assert int(bn.num_batches_tracked) == 1 and len(calls) == opt.mc_samples + 1
+        results.append([p.detach().clone() for p in model.parameters()] + [bn.running_mean.clone()])
+    for unchecked, checked in zip(*results, strict=True):
+        torch.testing.assert_close(checked, unchecked)
 
 
 def test_sampled_params_steps_are_not_checked_and_say_so():

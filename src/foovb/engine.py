@@ -133,7 +133,9 @@ class Sample:
 
 class RunningStatistics:
     """Batch-norm running statistics updated once per step: each sampled network's forward starts from the step's
-    statistics, and the step leaves their average over the samples (K updates would forget K times faster)."""
+    statistics (K updates would forget K times faster), and the step leaves those of one forward of the new mean
+    (`Step.run_at_mean`), the network that predicts; where the step has no closure to run there
+    (sampled_params(train=True) blocks), the samples' average."""
 
     def __init__(self, model: nn.Module):
         self.modules = [m for m in model.modules()
@@ -193,7 +195,7 @@ class Step:
     noises: dict = field(default_factory=dict)  # the last sample's noise (an antithetic pair's first half)
     noise_of: int = -1  # its sample index
     factored_inputs: dict = field(default_factory=dict)  # block -> the caches of its captured input X (LinearCapture)
-    recheck: Callable[[], Tensor] | None = None  # the step's closure, for secant_check (None: sampled_params blocks)
+    recheck: Callable[[], Tensor] | None = None  # the step's closure, for `run_at_mean` (None: sampled_params blocks)
     watch_layers: bool = False  # follow which block's module the model calls last: `last_layer`
     last_layer: nn.Module | None = None
 
@@ -207,6 +209,23 @@ class Step:
         """The trained matrix-variate nn.Linear blocks, whose statistics the closure path keeps low-rank."""
         return [block for block in self.blocks if isinstance(block, KroneckerBlock) and isinstance(block.module,
                                                                                                    nn.Linear)]
+
+    def run_at_mean(self) -> list[Tensor]:
+        """The step's closure once more on the model as it holds it (the new mean, loaded by the caller): the
+        gradients of the trained blocks' parameters (zeros where none), in the closure's scale, their .grad cleared
+        after. Batch-norm running statistics start from the step's and are left as this forward updated them: the
+        mean network's."""
+        params = [p for block in self.blocks for p in block.params]
+        for p in self.all_params:
+            p.grad = None
+        self.running.restore()
+        try:
+            with torch.enable_grad():
+                self.recheck()
+            return [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        finally:
+            for p in self.all_params:
+                p.grad = None
 
     def watched_layers(self) -> dict[int, nn.Module]:
         """The blocks' modules, where `watch_layers` asks which one the model calls last (else none: every sample

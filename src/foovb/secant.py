@@ -69,17 +69,8 @@ def cut_mean_steps(blocks: Sequence[PosteriorBlock], means_before: Sequence[Tens
 def secant_fraction_at_new_mean(pending: Step, means_before: Sequence[Tensor], grads_before: Sequence[Tensor],
                                 reducer: StatisticsReducer | None = None) -> float:
     """`secant_fraction` of the step just applied (the new mean in the model): the step's closure called once more
-    for g(mu + d), in L_n's scale; batch-norm statistics restored to the step's start (the caller leaves the samples'
-    average, as without the check)."""
+    for g(mu + d) (`Step.run_at_mean`, which leaves batch norm the new mean's statistics), in L_n's scale."""
     blocks = list(pending.stats)
-    params = [p for block in blocks for p in block.params]
-    for p in pending.all_params:
-        p.grad = None
-    pending.running.restore()
-    with torch.enable_grad():
-        pending.recheck()
     scale = pending.grad_scale if pending.grad_scale is not None else (pending.loss_rows or 1.0)
-    grads_after = [torch.zeros_like(p) if p.grad is None else p.grad * scale for p in params]
-    for p in pending.all_params:
-        p.grad = None
+    grads_after = [grad * scale for grad in pending.run_at_mean()]
     return secant_fraction(mean_steps(blocks, means_before), grads_before, grads_after, reducer)
