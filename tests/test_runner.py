@@ -1053,6 +1053,37 @@ def test_resume_refuses_a_factory_that_returns_other_data(example_dir, monkeypat
                           "when the run started (SHA-256 ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("edit", ["activation", "comment"])
+def test_resume_refuses_a_model_factory_that_builds_another_model(example_dir, monkeypatch, capsys, edit) -> None:
+    """A user's trial changed the factory's activation and resumed: the checkpoint's weights trained on in another
+    network, silently. Now another model (its modules as printed) is an error; the factory's file edited with the
+    same modules (a comment here; a function in a forward would be too) resumes with a warning naming the file."""
+    _without_plots(monkeypatch)
+    with monkeypatch.context() as patch:
+        _crash_at(patch, 10)
+        with pytest.raises(_Crash):
+            main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--set", "checkpoint_every=5"])
+    module = example_dir / "two_tasks.py"
+    old = "nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),"
+    new = ("nn.Linear(math.prod(input_shape), hidden), nn.Tanh()," if edit == "activation" else
+           "nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),  # hidden layer")
+    assert old in module.read_text()
+    module.write_text(module.read_text().replace(old, new))
+    del sys.modules["two_tasks"]
+    code = main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    if edit == "activation":
+        assert code == 2
+        assert err.startswith("foovb: error: --resume: model.factory 'two_tasks:make_model' builds another model than "
+                              "when the run started") and err.count("\n") == 1, err
+        assert not (example_dir / "r" / "summary.json").exists()
+    else:
+        assert code == 0, err
+        assert f"foovb: warning: --resume: {module.resolve()}, which holds model.factory 'two_tasks:make_model', " \
+               "changed since checkpoint.pt was written" in err, err
+        assert (example_dir / "r" / "summary.json").is_file()
+
+
 def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, monkeypatch, capsys) -> None:
     """The factory's module edited between two seeds of one config: compare averaged them as one experiment's seeds
     (summary.json did not record the data); now each is its own row, with a warning. Two seeds on the same data

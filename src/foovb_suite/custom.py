@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import hashlib
 import importlib
 import inspect
 import os
@@ -30,7 +31,7 @@ from torch.utils.data import Dataset
 from .config import ConfigError, ModelConfig, ScenarioConfig
 from .scenarios.in_memory import InMemoryTasks
 
-__all__ = ["config_directory", "custom_model", "custom_tasks"]
+__all__ = ["config_directory", "custom_model", "custom_tasks", "model_record"]
 
 _CONFIG_DIRECTORY: contextvars.ContextVar[Path | None] = contextvars.ContextVar("config_directory", default=None)
 """The directory of the config file being run (set by `config_directory`), where factories are also looked for."""
@@ -202,6 +203,24 @@ def _refuse_classes_only_tested(tasks: InMemoryTasks, scenario: ScenarioConfig) 
                 f"scenario.factory {scenario.factory!r}: task {task}'s test set has label(s) {untrained[:5]} that no "
                 f"training set holds{read}, and the model's outputs are the largest label + 1 ({tasks.num_classes}): "
                 "a label out of range? If those classes are meant, set scenario.num_classes")
+
+
+def model_record(model: ModelConfig, module: nn.Module) -> dict[str, str] | None:
+    """What a run records of its custom model, for --resume (`resume.run_identity`): the SHA-256 of its modules as
+    printed (`repr`: layers, sizes, activation modules) and of the source file that holds model.factory (whose
+    forward may compute what the printout does not show, e.g. F.relu), and that file; None for a built-in model,
+    which the config determines."""
+    if model.kind != "custom":
+        return None
+    with _importable():
+        function = _import_factory("model", model.factory)
+    try:
+        source = inspect.getsourcefile(inspect.unwrap(function))
+        text = Path(source).read_bytes() if source else b""
+    except (TypeError, OSError):  # a built-in or a file that is gone: the modules are still compared
+        source, text = None, b""
+    return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(), "file": str(source),
+            "source": hashlib.sha256(text).hexdigest()}
 
 
 def custom_model(model: ModelConfig, input_shape: Sequence[int], num_outputs: int, device: torch.device) -> nn.Module:

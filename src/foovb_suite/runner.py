@@ -38,6 +38,7 @@ import yaml
 from foovb import distributed
 
 from .config import Config, ConfigError, config_to_dict, what_it_computes
+from .custom import model_record
 from .evaluation import metrics_per_mode
 from .factories import build_learner, build_scenario, resolve_device
 from .learners import Learner
@@ -143,7 +144,8 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         check_config_unchanged(run_dir, resolved)
     state = read_checkpoint(checkpoint_path) if resume else None
     data = data_digest(scenario)
-    run_id = run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), data, scenario)
+    model = model_record(config.model, learner.model)
+    run_id = run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), data, scenario, model)
     if state is not None:
         load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
@@ -160,7 +162,7 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
         board = TensorBoardLog(run_dir / "tensorboard", config.tensorboard_every, 0 if state is None
                                else state["iteration"])
     loop = TrainingLoop(config, scenario, learner, device, checkpoint_path, main_process, state, confirm_lock,
-                        {"id": run_id, "config": what_it_computes(resolved), "data": data}, board)
+                        {"id": run_id, "config": what_it_computes(resolved), "data": data, "model": model}, board)
     bar = None
     if progress and main_process:
         from tqdm import tqdm
@@ -232,6 +234,6 @@ def _final_summary(config: Config, scenario, learner: Learner, device: torch.dev
         "device": str(device) if device.type != "cuda" else f"{device} ({torch.cuda.get_device_name(device)})",
         "processes": torch.distributed.get_world_size() if distributed_run else 1,
         "modes": metrics_per_mode(records, ends, scenario.num_tasks),
-        # what `foovb compare` checks the files by, and the custom scenario's data (SHA-256; null for a benchmark's)
-        "run": {"id": loop.run["id"], "config": loop.run["config"], "data": loop.run["data"]},
+        # what `foovb compare` checks the files by, the custom scenario's data and model (SHA-256; null for built-ins)
+        "run": {key: loop.run[key] for key in ("id", "config", "data", "model")},
     }
