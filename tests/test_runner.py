@@ -1084,22 +1084,27 @@ def test_resume_refuses_a_model_factory_that_builds_another_model(example_dir, m
         assert (example_dir / "r" / "summary.json").is_file()
 
 
-def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("edit", ["data", "model"])
+def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, monkeypatch, capsys, edit) -> None:
     """The factory's module edited between two seeds of one config: compare averaged them as one experiment's seeds
-    (summary.json did not record the data); now each is its own row, with a warning. Two seeds on the same data
-    are still one row."""
+    (summary.json did not record the data, nor the model before session 54); now each is its own row, with a warning.
+    Two seeds on the same data and model are still one row."""
     _without_plots(monkeypatch)
     module = example_dir / "two_tasks.py"
+    old, new = (("centres = 2 * torch.randn", "centres = 3 * torch.randn") if edit == "data" else
+                ("hidden), nn.ReLU(),", "hidden), nn.Tanh(),"))
     for seed, out in ((0, "a"), (1, "b"), (2, "c")):
         if out == "c":  # the module edited before the third run
-            module.write_text(module.read_text().replace("centres = 2 * torch.randn", "centres = 3 * torch.randn"))
+            assert old in module.read_text()
+            module.write_text(module.read_text().replace(old, new))
             del sys.modules["two_tasks"]
         assert main(["run", "two_tasks.yaml", "--out", out, "--no-progress", "--set", f"seed={seed}"]) == 0
-    digests = [json.loads((example_dir / d / "summary.json").read_text())["run"]["data"] for d in "abc"]
-    assert digests[0] == digests[1] != digests[2] and len(digests[0]) == 64
+    records = [json.loads((example_dir / d / "summary.json").read_text())["run"] for d in "abc"]
+    changed = [record[edit] if edit == "data" else record["model"]["modules"] for record in records]
+    assert changed[0] == changed[1] != changed[2] and len(changed[0]) == 64
     capsys.readouterr()
     assert main(["compare", "a", "b", "c", "--out", "cmp"]) == 0
-    assert "[a, b] and [c] have one config but were trained on different data" in capsys.readouterr().err
+    assert "[a, b] and [c] have one config but were trained on different data or models" in capsys.readouterr().err
     with open("cmp/compare_seeds.csv") as f:
         rows = [(r["runs"], r["num_runs"]) for r in csv.DictReader(f) if r["mode"] == "mean"]
     assert rows == [("a b", "2"), ("c", "1")]

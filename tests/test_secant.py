@@ -169,6 +169,80 @@ def test_batch_norm_statistics_are_the_new_means_either_way():
         torch.testing.assert_close(checked, unchecked)
 
 
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _counting(closure):
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return closure()
+
+    return counted, calls
+
+
+def _assert_statistics_of_the_mean(model: nn.Module, x: torch.Tensor) -> None:
+    bn = model[1]
+    with torch.no_grad():
+        hidden = model[0](x)
+    torch.testing.assert_close(bn.running_mean, bn.momentum * hidden.mean(0))
+    torch.testing.assert_close(bn.running_var, (1 - bn.momentum) + bn.momentum * hidden.var(0, unbiased=True))
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_a_cut_step_takes_batch_norm_statistics_at_the_cut_mean(monkeypatch):
+    """The check's forward is at the uncut mean: where it cuts, the closure runs once more at the mean it leaves."""
+    import foovb.optimizer as optimizer
+
+    real = optimizer.secant_fraction_at_new_mean
+    monkeypatch.setattr(optimizer, "secant_fraction_at_new_mean", lambda *args: min(real(*args), 0.5))
+    x, y = torch.randn(32, 4), torch.randint(3, (32,))
+    model = _bn_net()
+    opt = FOOVB(model, "kronecker", secant_check=True, seed=0)
+    closure, calls = _counting(closure_of(model, x, y, F.cross_entropy))
+    opt.step(closure)
+    assert len(calls) == opt.mc_samples + 2
+    _assert_statistics_of_the_mean(model, x)
+
+
+def test_batch_norm_in_eval_mode_costs_no_forward_at_the_mean():
+    """Frozen batch norm (eval mode, e.g. fine-tuning) keeps its statistics: no closure call for them."""
+    x, y = torch.randn(32, 4), torch.randint(3, (32,))
+    model = _bn_net()
+    model[1].eval()
+    before = (model[1].running_mean.clone(), model[1].running_var.clone())
+    opt = FOOVB(model, "kronecker", secant_check=False, seed=0)
+    closure, calls = _counting(closure_of(model, x, y, F.cross_entropy))
+    opt.step(closure)
+    assert len(calls) == opt.mc_samples
+    assert torch.equal(model[1].running_mean, before[0]) and torch.equal(model[1].running_var, before[1])
+
+
+def test_a_closure_failing_at_the_mean_leaves_the_samples_average_and_warns():
+    """The update is applied before the forward at the mean: a failure there warns and keeps the step (a raise would
+    have a retrying caller take it twice); the statistics are the samples' average, num_batches_tracked once."""
+    x, y = torch.randn(32, 4), torch.randint(3, (32,))
+    model = _bn_net()
+    opt = FOOVB(model, "diagonal", 4, secant_check=False, seed=0)
+    inner = closure_of(model, x, y, F.cross_entropy)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        if len(calls) > opt.mc_samples:
+            raise RuntimeError("out of memory at the mean")  # before batch norm: its count was restored to 0
+        return inner()
+
+    with pytest.warns(UserWarning, match="the closure failed at the new mean .*RuntimeError: out of memory"):
+        opt.step(closure)
+    assert opt.steps_taken == 1 and len(calls) == opt.mc_samples + 1
+    assert int(model[1].num_batches_tracked) == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_sampled_params_steps_are_not_checked_and_say_so():
     """A check, asked for or the preset's (FOOVB(model)'s), warns at the first unchecked step, once: those steps are not
     step(closure)'s (a user trial found a regression net's loss at 30 against 0.07); secant_check=False is silent."""

@@ -164,14 +164,20 @@ class RunningStatistics:
                 var_sum.add_(module.running_var)
         self.count += 1
 
+    def updated_in_training(self) -> bool:
+        """Whether a forward updates any of the statistics (a module in training mode; eval mode reads them)."""
+        return any(module.training for module in self.modules)
+
     @torch.no_grad()
     def average(self) -> None:
-        """Leave the average of the recorded statistics (num_batches_tracked as one sample left it)."""
+        """Leave the average of the recorded statistics, num_batches_tracked as one sample left it (also after a
+        forward at the mean that failed part way)."""
         if not self.count:
             return
-        for module, (mean_sum, var_sum) in zip(self.modules, self.sums, strict=True):
+        for module, (mean_sum, var_sum), (_, _, tracked) in zip(self.modules, self.sums, self.before, strict=True):
             module.running_mean.copy_(mean_sum / self.count)
             module.running_var.copy_(var_sum / self.count)
+            module.num_batches_tracked.copy_(tracked + 1 if module.training else tracked)
 
 
 @dataclass

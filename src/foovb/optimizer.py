@@ -282,10 +282,11 @@ class FOOVB(Persistence):
         `closure` runs forward and backward on the model's current weights and returns the loss; it is called K
         times, each with a fresh sample loaded. `batch_size`: the loss is a mean over this many terms (overrides what
         `loss_reduction` reads). Returns the samples' mean loss as a 0-dim float64 tensor. Batch-norm running
-        statistics are updated once, by a forward of the new mean (the closure called once more where the secant
-        check does not call it). Without a closure: the update of the K
-        `sampled_params(train=True)` blocks run since the last step (a closure then is called once and must not
-        train: Lightning's manual optimization passes one that runs its hooks).
+        statistics are updated once, by a forward of the new mean: in a model with batch norm in training mode the
+        closure is called once more where the secant check did not call it at that mean.
+
+        Without a closure: the update of the K `sampled_params(train=True)` blocks run since the last step (a closure
+        then is called once and must not train: Lightning's manual optimization passes one that runs its hooks).
         """
         if closure is None or self._pending is not None:
             return self._finish_own_loop(closure)
@@ -458,20 +459,32 @@ class FOOVB(Persistence):
         # batch-norm running statistics as one forward of the new mean leaves them, the network that predicts in eval
         # mode: the samples' average is biased for it (sampled networks spread their pre-normalisation activations
         # wider; on a residual CNN the first task was learned to 39% in eval mode, 69% with the mean's statistics:
-        # docs/results/matrix_variate_layers.md, "A residual CNN"). The secant check's forward where it ran, else the
-        # closure once more (models with batch norm only); the samples' average where the step has no closure
-        # (sampled_params(train=True) blocks) or the pass fails
+        # docs/results/matrix_variate_layers.md, "A residual CNN"). The secant check's forward where it ran at the
+        # final mean (an uncut step), else the closure once more (batch norm in training mode only); the samples'
+        # average where the step has no closure (sampled_params(train=True) blocks) or that forward fails
         at_mean = False
         try:
             if self.secant_check:
                 at_mean = self._cut_at_secant(pending, means_before, mean_gradients(applied, num_samples))
-            if not at_mean and pending.running.modules and pending.recheck is not None:
-                pending.run_at_mean()
-                at_mean = True
+            if not at_mean and pending.recheck is not None and pending.running.updated_in_training():
+                at_mean = self._statistics_at_mean(pending)
         finally:
             if not at_mean:
                 pending.running.average()
         return torch.tensor(mean_loss, dtype=torch.float64)
+
+    def _statistics_at_mean(self, pending: Step) -> bool:
+        """Batch norm's running statistics from the closure run once more at the new mean; False (the samples'
+        average is left, with a warning) where it fails: the update is applied already, and a step that raised would
+        be taken twice by a caller that retries it."""
+        try:
+            pending.run_at_mean()
+        except Exception as error:  # noqa: BLE001 - the user's closure; Ctrl-C and the like propagate
+            warnings.warn(f"FOOVB: the closure failed at the new mean ({type(error).__name__}: {error}), where it "
+                          "runs once more for batch norm's running statistics: they are the average of the step's "
+                          "samples' this step (the update was applied)", stacklevel=4)
+            return False
+        return True
 
     def _calibrate_prior(self, call: tuple[tuple, dict] | None) -> None:
         """calibrate_prior, before the first step: the prior's variance scaled to the output noise asked for on the
@@ -501,7 +514,7 @@ class FOOVB(Persistence):
 
     def _cut_at_secant(self, pending: Step, means_before: list[Tensor], grads_before: list[Tensor]) -> bool:
         """secant_check: the mean step cut back to the secant minimum along it where it passes it (`foovb.secant`).
-        Returns whether the check ran the closure at the new mean (not where the step has none)."""
+        Returns whether the check ran the closure at the mean the step leaves (a step it did not cut)."""
         if pending.recheck is None:
             if not self._progress.warned_unchecked:  # _cut_at_secant runs only where secant_check is on
                 self._progress.warned_unchecked = True
@@ -515,7 +528,7 @@ class FOOVB(Persistence):
         if fraction < 1:
             cut_mean_steps(list(pending.stats), means_before, fraction)
             self.load_mean_into_model()
-        return True
+        return fraction >= 1
 
     def _undo_calibration(self) -> None:
         """The prior as it was before calibrate_prior, where the first step failed after the calibration."""

@@ -143,16 +143,20 @@ def _seed_rows(runs: list[dict]) -> list[list]:
     for r in runs:
         by_config.setdefault(experiment_key(r["config"]), []).append(r)
     groups: list[list[dict]] = []
-    for same_config in by_config.values():  # on other data (a custom factory edited between runs): apart
+    for same_config in by_config.values():  # on other data or another model (a factory edited between runs): apart
         recorded = [r["summary"].get("run", {}) for r in same_config]
-        known = all("data" in record for record in recorded)  # summaries before session 53 do not record it
-        by_data: dict[str | None, list[dict]] = {}
+        # summaries before session 53 record neither, before session 54 no model: what every run records is compared
+        keys = [key for key in ("data", "model") if all(key in record for record in recorded)]
+        by_data: dict[str, list[dict]] = {}
         for r, record in zip(same_config, recorded, strict=True):
-            by_data.setdefault(record["data"] if known else None, []).append(r)
+            what = [record[key] if key == "data" or record[key] is None else  # the model's hashes, not its file's path
+                    [record[key]["modules"], record[key]["source"]] for key in keys]
+            by_data.setdefault(json.dumps(what), []).append(r)
         if len(by_data) > 1:
             split = " and ".join(f"[{', '.join(r['name'] for r in group)}]" for group in by_data.values())
-            print(f"foovb: warning: {split} have one config but were trained on different data (the custom "
-                  "scenario's SHA-256 in summary.json): not averaged as seeds of one experiment", file=sys.stderr)
+            print(f"foovb: warning: {split} have one config but were trained on different data or models (the "
+                  "custom factories' SHA-256 in summary.json): not averaged as seeds of one experiment",
+                  file=sys.stderr)
         groups.extend(by_data.values())
     rows = []
     for group in groups:

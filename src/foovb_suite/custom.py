@@ -205,11 +205,12 @@ def _refuse_classes_only_tested(tasks: InMemoryTasks, scenario: ScenarioConfig) 
                 "a label out of range? If those classes are meant, set scenario.num_classes")
 
 
-def model_record(model: ModelConfig, module: nn.Module) -> dict[str, str] | None:
+def model_record(model: ModelConfig, module: nn.Module) -> dict[str, str | None] | None:
     """What a run records of its custom model, for --resume (`resume.run_identity`): the SHA-256 of its modules as
     printed (`repr`: layers, sizes, activation modules) and of the source file that holds model.factory (whose
-    forward may compute what the printout does not show, e.g. F.relu), and that file; None for a built-in model,
-    which the config determines."""
+    forward may compute what the printout does not show, e.g. F.relu; only that file: a forward defined in a module
+    it imports is not seen), and that file (None where it cannot be read); None for a built-in model, which the config
+    determines."""
     if model.kind != "custom":
         return None
     with _importable():
@@ -219,7 +220,7 @@ def model_record(model: ModelConfig, module: nn.Module) -> dict[str, str] | None
         text = Path(source).read_bytes() if source else b""
     except (TypeError, OSError):  # a built-in or a file that is gone: the modules are still compared
         source, text = None, b""
-    return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(), "file": str(source),
+    return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(), "file": source,
             "source": hashlib.sha256(text).hexdigest()}
 
 

@@ -62,14 +62,15 @@ def check_config_unchanged(run_dir: Path, resolved: dict[str, Any]) -> None:
 
 
 def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | None, computed: dict[str, Any],
-                 data: str | None, scenario, model: dict[str, str] | None = None) -> str:
+                 data: str | None, scenario, model: dict[str, str | None] | None = None, *, warn: bool = True) -> str:
     """The identity of the run in `run_dir`: a new one for a new run; on --resume, the one run.json holds, after
     checking that the checkpoint `state` belongs to it: the same identity, the same computed config as config.yaml
     and the command line (`computed`), the same data (`data`: the custom scenario's digest), the same custom model
     (`model`: `custom.model_record`), records that fit this scenario. A checkpoint of another run, copied in, one
     written under another config (config.yaml edited since), on other data (a factory that returns other data now) or
     for a model of other modules is a CheckpointError naming what differs; a model factory's source file edited since,
-    its modules the same, a warning (its forward may compute otherwise, or only a comment changed)."""
+    its modules the same, a warning (its forward may compute otherwise, or only a comment changed; `warn`: False on
+    all but one process of a distributed run)."""
     advice = "resume it in its own run directory, or start a new run in another directory (--out)"
     recorded = _read_run_id(run_dir)
     if state is None:
@@ -77,8 +78,9 @@ def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | N
     _check_records(state, scenario, checkpoint_path)
     run = state.get("run")
     if run is None:  # a checkpoint written before checkpoints recorded their run
-        print(f"foovb: warning: {checkpoint_path} was written by an earlier foovb that did not record its run: "
-              f"that it belongs to this directory is not verified", file=sys.stderr)
+        if warn:
+            print(f"foovb: warning: {checkpoint_path} was written by an earlier foovb that did not record its run: "
+                  f"that it belongs to this directory is not verified", file=sys.stderr)
         return recorded or secrets.token_hex(8)
     if run["id"] != recorded:
         if recorded is None:  # run.json deleted here, or a checkpoint copied into a directory that never had one
@@ -100,12 +102,12 @@ def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | N
                               f"than when the run started (SHA-256 {data}, the checkpoint's {run.get('data')}): a "
                               "factory must return the same data at every call (seed its randomness, e.g. from its "
                               "args); restore it, or start a new run")
-    _check_model(run.get("model"), model, computed, checkpoint_path)
+    _check_model(run.get("model"), model, computed, checkpoint_path, warn)
     return recorded
 
 
-def _check_model(recorded: dict[str, str] | None, model: dict[str, str] | None, computed: dict[str, Any],
-                 checkpoint_path: Path) -> None:
+def _check_model(recorded: dict[str, str | None] | None, model: dict[str, str | None] | None,
+                 computed: dict[str, Any], checkpoint_path: Path, warn: bool) -> None:
     """--resume of a custom model: the factory must build the modules it built when the run started (an error), from
     the same source file (a warning: the printout does not show a forward's functions). Checkpoints written before
     session 54 record no model: not checked."""
@@ -117,8 +119,9 @@ def _check_model(recorded: dict[str, str] | None, model: dict[str, str] | None, 
                               f"(its modules as printed differ: a layer, a size or an activation module changed, the "
                               f"checkpoint's weights would be trained on by another network); restore it, or start "
                               "a new run")
-    if recorded["source"] != model["source"]:
-        print(f"foovb: warning: --resume: {model['file']}, which holds model.factory {factory!r}, changed since "
+    if recorded["source"] != model["source"] and warn:
+        where = model["file"] or recorded["file"] or "the file"
+        print(f"foovb: warning: --resume: {where}, which holds model.factory {factory!r}, changed since "
               f"{checkpoint_path.name} was written; its modules are the same. If the change alters what the model "
               "computes (a function in its forward), this run mixes two models: start a new run", file=sys.stderr)
 

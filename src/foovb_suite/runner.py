@@ -145,7 +145,8 @@ def _run_locked(config: Config, run_dir: Path, scenario, learner: Learner, devic
     state = read_checkpoint(checkpoint_path) if resume else None
     data = data_digest(scenario)
     model = model_record(config.model, learner.model)
-    run_id = run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), data, scenario, model)
+    run_id = run_identity(run_dir, checkpoint_path, state, what_it_computes(resolved), data, scenario, model,
+                          warn=main_process)
     if state is not None:
         load_learner_state(learner, state, checkpoint_path)
     if distributed_run:  # every rank then holds rank 0's posterior and noise generator
