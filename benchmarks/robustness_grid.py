@@ -445,22 +445,37 @@ def cell_summary(records: list[dict], cell: str, tag: str, tried: dict | None = 
     return row
 
 
-def targets(rows: list[dict], family: str) -> list[str]:
-    """The issue's targets for one family over `rows`: divergence, drift retention, average vs the best baseline."""
+def target_counts(rows: list[dict], family: str) -> dict | None:
+    """The issue's targets for one family over summary `rows` (`cell_summary`'s): the cells that diverged, the drift
+    cells, those whose first task was kept 10 points above the best baseline, those measured and reachable, the
+    accuracy cells and those more than 2 points below the best baseline, the error cells and those above 1.5x its
+    error, the median accuracy cell vs the best baseline; None if no row has the family."""
     rows = [r for r in rows if f"{family}_average" in r]
     if not rows:
-        return []
-    diverged = [r["cell"] for r in rows if r[f"{family}_diverged"]]
+        return None
     drift = [r for r in rows if r["drift"] and r["metric"] == "accuracy"]
-    kept = [r for r in drift if r[f"{family}_first_vs_best"] >= 10]
     # reachable: the target is at most what the first task reached right after it was learned (any learner)
     measured = [r for r in drift if math.isfinite(r.get("best_first_learned", math.nan))]
-    reachable = [r for r in measured if r["best_baseline_first"] + 10 <= r["best_first_learned"]]
     accuracy_rows = [r for r in rows if r["metric"] == "accuracy"]
-    low = [r["cell"] for r in accuracy_rows if not r[f"{family}_average_vs_best"] >= -2]
     error_rows = [r for r in rows if r["metric"] == "mse"]
-    high = [r["cell"] for r in error_rows if not r[f"{family}_average_vs_best"] <= 1.5]
-    median = statistics.median([r[f"{family}_average_vs_best"] for r in accuracy_rows]) if accuracy_rows else math.nan
+    return {"rows": rows, "diverged": [r["cell"] for r in rows if r[f"{family}_diverged"]], "drift": drift,
+            "kept": [r for r in drift if r[f"{family}_first_vs_best"] >= 10], "measured": measured,
+            "reachable": [r for r in measured if r["best_baseline_first"] + 10 <= r["best_first_learned"]],
+            "accuracy": accuracy_rows,
+            "low": [r["cell"] for r in accuracy_rows if not r[f"{family}_average_vs_best"] >= -2],
+            "errors": error_rows, "high": [r["cell"] for r in error_rows if not r[f"{family}_average_vs_best"] <= 1.5],
+            "median": statistics.median([r[f"{family}_average_vs_best"] for r in accuracy_rows]) if accuracy_rows
+            else math.nan}
+
+
+def targets(rows: list[dict], family: str) -> list[str]:
+    """The issue's targets for one family over `rows`: divergence, drift retention, average vs the best baseline."""
+    counts = target_counts(rows, family)
+    if counts is None:
+        return []
+    rows, diverged, drift, kept = counts["rows"], counts["diverged"], counts["drift"], counts["kept"]
+    measured, reachable, accuracy_rows, low = counts["measured"], counts["reachable"], counts["accuracy"], counts["low"]
+    error_rows, high, median = counts["errors"], counts["high"], counts["median"]
     versus_tried = [r for r in accuracy_rows if f"{family}_average_vs_best_foovb" in r]
 
     def median_of(column: str) -> float:

@@ -144,9 +144,13 @@ def test_the_check_tames_the_first_steps_of_a_small_tanh_regression_net():
     assert max(curves[True]) < 2 * curves[True][0] and curves[True][-1] < curves[True][0] / 4
 
 
-def test_batch_norm_statistics_are_the_new_means_either_way():
+def test_batch_norm_statistics_are_the_new_means_either_way(monkeypatch):
     """The secant check's forward at the new mean leaves batch norm its statistics; without the check the closure
     runs there once more: the same statistics (the step is not cut here: the same means)."""
+    import foovb.optimizer as optimizer
+
+    real = optimizer.secant_fraction_at_new_mean
+    monkeypatch.setattr(optimizer, "secant_fraction_at_new_mean", lambda *args: max(real(*args), 1.0))  # no cut
     x = torch.randn(32, 4)
     y = torch.randint(3, (32,))
     results = []
@@ -260,6 +264,7 @@ def test_sampled_params_steps_are_not_checked_and_say_so():
                 opt.step()
         said = [w for w in caught if "needs the step's batch" in str(w.message)]
         assert len(said) == (0 if secant_check is False else 1)
+        assert all(w.filename == __file__ for w in said)  # the caller's opt.step() line
         means.append([p.detach().clone() for p in model.parameters()])
     for unchecked, checked, preset in zip(*means, strict=True):
         torch.testing.assert_close(checked, unchecked, rtol=0, atol=0)

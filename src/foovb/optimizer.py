@@ -522,7 +522,7 @@ class FOOVB(Persistence):
                               "sampled_params(train=True) blocks do not give the optimizer: these steps are not "
                               "checked and differ from step(closure)'s (use step(closure) or step_batched, or "
                               "build the optimizer with secant_check=False to take unchecked steps knowingly)",
-                              stacklevel=4)
+                              stacklevel=6)  # _finish_step, _finish_own_loop, step, torch's wrapper, the caller
             return False
         fraction = secant_fraction_at_new_mean(pending, means_before, grads_before, self.statistics_reducer)
         if fraction < 1:

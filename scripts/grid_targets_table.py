@@ -1,0 +1,80 @@
+"""The robustness grid's targets (issue 54) side by side for several summary CSVs (`benchmarks/robustness_grid.py`'s
+summary_TAG.csv, one per candidate and seeds), as a markdown table: one column per CSV, one row per target, counted
+as the grid's own targets (`robustness_grid.target_counts`).
+
+    python scripts/grid_targets_table.py [--family kronecker] LABEL=SUMMARY.csv ... [--out TABLE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import robustness_grid as grid  # noqa: E402
+
+
+def read_summary(path: Path) -> list[dict]:
+    """A summary CSV's rows with its numbers, booleans and blanks as `cell_summary` made them."""
+
+    def value(text: str) -> object:
+        if text in ("True", "False"):
+            return text == "True"
+        try:
+            return float(text)
+        except ValueError:
+            return math.nan if text == "" else text
+
+    with path.open() as file:
+        return [{key: value(text) for key, text in row.items() if text != "" or key == "best_first_learned"}
+                for row in csv.DictReader(file)]
+
+
+def table(columns: list[tuple[str, list[dict]]], family: str) -> list[str]:
+    counts = [(label, grid.target_counts(rows, family)) for label, rows in columns]
+    missing = [label for label, count in counts if count is None]
+    if missing:
+        raise SystemExit(f"grid_targets_table: no {family} rows in {missing}")
+
+    def row(name: str, cell) -> str:
+        return f"| {name} | " + " | ".join(cell(count) for _, count in counts) + " |"
+
+    return [
+        "| target | " + " | ".join(label for label, _ in counts) + " |",
+        "|---|" + "---|" * len(counts),
+        row("cells (diverged)", lambda c: f"{len(c['rows'])} ({len(c['diverged'])})"),
+        row("drift cells: first task >= 10 points above the best baseline",
+            lambda c: f"{len(c['kept'])} of {len(c['drift'])}"),
+        row("... of those a learner can reach", lambda c: f"{len([r for r in c['reachable'] if r in c['kept']])} of "
+            f"{len(c['reachable'])}"),
+        row("accuracy cells more than 2 points below the best baseline",
+            lambda c: f"{len(c['low'])} of {len(c['accuracy'])}" + (f" ({', '.join(c['low'])})" if c['low'] else "")),
+        row("errors above 1.5x the best baseline's",
+            lambda c: f"{len(c['high'])} of {len(c['errors'])}" + (f" ({', '.join(c['high'])})" if c['high'] else "")),
+        row("median accuracy cell vs the best baseline (points)", lambda c: f"{c['median']:+.2f}"),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("summaries", nargs="+", help="LABEL=path/to/summary_TAG.csv")
+    parser.add_argument("--family", choices=("kronecker", "diagonal"), default="kronecker")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    columns = []
+    for spec in args.summaries:
+        label, _, path = spec.rpartition("=")
+        if not label or not Path(path).is_file():
+            parser.error(f"{spec!r}: expected LABEL=an existing summary CSV")
+        columns.append((label, read_summary(Path(path))))
+    lines = table(columns, args.family)
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
