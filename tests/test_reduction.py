@@ -123,13 +123,14 @@ def test_a_mean_loss_takes_the_same_step_as_the_summed_loss(family, detach):
 
 def test_the_batched_path_reads_the_reduction_too():
     """step_batched's loss_fn sees K stacked batches: a mean over all their elements (MSE over 3 outputs) is
-    rescaled by K rows outputs, the same step as the summed loss."""
-    targets = torch.randn(8, 3)
+    rescaled by K rows outputs, the same step as the summed loss (in float64: the two losses' gradients differ by
+    float32's rounding, which the step prior's wide first step carries to 1e-5)."""
+    targets = torch.randn(8, 3, dtype=torch.float64)
     snapshots = []
     for reduction in ("sum", "mean"):
-        model = mlp(seed=0)
+        model = mlp(seed=0).double()
         opt = FOOVB(model, "kronecker", 4, seed=3)
-        opt.step_batched(X, targets, lambda out, t, r=reduction: F.mse_loss(out, t, reduction=r))
+        opt.step_batched(X.double(), targets, lambda out, t, r=reduction: F.mse_loss(out, t, reduction=r))
         snapshots.append(posterior_snapshot(opt))
     for got, want in zip(snapshots[1], snapshots[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
