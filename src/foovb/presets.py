@@ -71,8 +71,9 @@ The arguments of FOOVB:
     secant_check: (on in the recommended presets of both families) after the update, evaluate the batch once more at the
         new mean and cut the mean step back to the secant minimum along it where the step passes it (`foovb.secant`):
         each block's implicit step is bounded by its own curvature, but the blocks' steps add up (the layers of a small
-        regression net each correcting the same residual). One more forward and backward per step; needs the step's
-        batch (step(closure) or step_batched; sampled_params(train=True) steps are not checked); under
+        regression net each correcting the same residual). One more forward and backward per step (two in a model with
+        batch norm in training mode where the check cuts the step: batch norm's statistics are the final mean's); needs
+        the step's batch (step(closure) or step_batched; sampled_params(train=True) steps are not checked); under
         foovb.distributed, one more scalar all-reduce (an extension).
     calibrate_prior: None, or the output noise a prior may make (e.g. 150): before the first step every block's
         prior variance is scaled down by one factor until the sampled networks' outputs on the step's batch differ
@@ -124,29 +125,27 @@ MAX_STD_INIT = 1e3  # far above any useful prior std; the bound keeps sigma^2 fi
 LOSS_REDUCTIONS = ("auto", "sum", "mean")
 POSTERIORS = (AUTO, *FAMILIES)  # AUTO: the matrix-variate family where affordable, with its settings
 
-# Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings
-# (Algorithms 2-4, its appendix's initialisation). "recommended": the best settings measured in this project
-# (docs/results.md): Lemma 2's root for the diagonal sigma, antithetic pairs, the mean step with the updated
-# covariance (implicit_mean: bounded by the curvature each step measures, eta Sigma H <= 0.385 eta / beta), beta
-# 0.5 for both families: the smallest that keep the regression nets measured stable (the diagonal family at beta
-# 0.4 throws a 1-64-64-1 net off in its first epoch; the matrix-variate one at 0.3 misses a regression cell of the
-# grid 190-fold) while keeping most of the plasticity multi-pass streams need (beta 1 loses 3-5 points on permuted
-# MNIST at 2 passes per task); the model's own weights as the prior mean with each layer's own prior std
-# (std_init="xavier", priors.py). docs/results.md, "A default that holds". The matrix-variate family's mean step
-# also takes a prior 16 times wider on every layer but the output layer (step_prior) and the secant check: on the
-# robustness grid's tuning half they kept the first task 10 points above the best baseline in 19 and 16 of 23 drift
-# cells (seeds 0, 1) against 11 and 12, with 1 and 0 of 26 cells more than 2 points below it against 5 and 4
-# (docs/results/step_prior.md); since session 49 the family also keeps the output layer's output factor diagonal: the
-# autoencoder cells' errors halved, the classifier cells unchanged (docs/results/output_factor.md); since session 54 the
-# step prior is 64 times wider: on both halves every target held or gained (held-out: 7 of 19 first tasks kept against
-# 6, median +6.2 points against +4.9), GRUs and the LeNet most, a narrow MLP lost up to 4.6 points
-# (docs/results/step_prior.md, "Session 54"). The diagonal
-# family takes the step prior and the check too, with curvature_damping (since session 48): alone
-# the step prior threw its autoencoders off, alone the damping slowed its classifiers; together on the tuning half
-# (seed 0) no cell diverged (2 before), 12 of 26 accuracy cells were more than 2 points below the best baseline (16)
-# and 3 of 7 errors above 1.5x its error (5), median -0.75 points (-6.9) (docs/results/robustness_grid.md, "The
-# diagonal family"). The full family's recommendation is the paper's with antithetic pairs and the per-layer std (not
-# tuned further).
+# Every hyperparameter left None takes its preset's value for the family. "paper": the paper's settings (Algorithms 2-4,
+# its appendix's initialisation). "recommended": the best settings measured in this project (docs/results.md): Lemma 2's
+# root for the diagonal sigma, antithetic pairs, the mean step with the updated covariance (implicit_mean: bounded by
+# the curvature each step measures, eta Sigma H <= 0.385 eta / beta), beta 0.5 for both families: the smallest that keep
+# the regression nets measured stable (the diagonal family at beta 0.4 throws a 1-64-64-1 net off in its first epoch;
+# the matrix-variate one at 0.3 misses a regression cell of the grid 190-fold) while keeping most of the plasticity
+# multi-pass streams need (beta 1 loses 3-5 points on permuted MNIST at 2 passes per task); the model's own weights as
+# the prior mean with each layer's own prior std (std_init="xavier", priors.py). docs/results.md, "A default that
+# holds". The matrix-variate family's mean step also takes (since session 45) a prior 16 times wider on every layer but
+# the output layer (step_prior) and the secant check: on the robustness grid's tuning half they kept the first task 10
+# points above the best baseline in 19 and 16 of 23 drift cells (seeds 0, 1) against 11 and 12, with 1 and 0 of 26 cells
+# more than 2 points below it against 5 and 4 (docs/results/step_prior.md); since session 49 the family also keeps the
+# output layer's output factor diagonal: the autoencoder cells' errors halved, the classifier cells unchanged
+# (docs/results/output_factor.md); since session 54 the step prior is 64 times wider: on both halves every target held
+# or gained (held-out: 7 of 19 first tasks kept against 6, median +6.2 points against +4.9), the GRUs most, a narrow MLP
+# lost up to 4.6 points there (5.3 on the tuning half) (docs/results/step_prior_64.md). The diagonal family takes a step
+# prior (16) and the check too, with curvature_damping (since session 48): alone the step prior threw its autoencoders
+# off, alone the damping slowed its classifiers; together on the tuning half (seed 0) no cell diverged (2 before), 12 of
+# 26 accuracy cells were more than 2 points below the best baseline (16) and 3 of 7 errors above 1.5x its error (5),
+# median -0.75 points (-6.9) (docs/results/robustness_grid.md, "The diagonal family"). The full family's recommendation
+# is the paper's with antithetic pairs and the per-layer std (not tuned further).
 _PAPER = {"std_init": 0.047, "alpha": 0.5, "mean_step": 1.0, "cov_step": 1.0, "antithetic": False,
           "std_growth": "paper", "cov_momentum": 0.0, "implicit_mean": False, "curvature_damping": False,
           "diagonal_output_factor": False, "init": "paper", "max_full_params": 4096, "secant_check": False,

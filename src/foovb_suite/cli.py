@@ -134,9 +134,9 @@ def _write_table(out: Path, stem: str, header: list[str], rows: list[list]) -> N
 
 
 def _seed_rows(runs: list[dict]) -> list[list]:
-    """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that
-    differ only in their seeds (`loading.experiment_key`) and trained on the same data (a custom scenario's), and each
-    task's final accuracy averaged over them (" / " between tasks); runs are named by their "name" entry."""
+    """One row per (experiment, mode): mean, sample std (blank for one run), min and max over the runs that differ only
+    in their seeds (`loading.experiment_key`) and trained on the same data and model (a custom one's), and each task's
+    final accuracy averaged over them (" / " between tasks); runs are named by their "name" entry."""
     from .loading import experiment_key
 
     by_config: dict[str, list[dict]] = {}

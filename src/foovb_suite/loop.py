@@ -73,7 +73,7 @@ class TrainingLoop:
                  run: dict[str, Any], board: TensorBoardLog | None = None):
         self.config, self.scenario, self.learner, self.device = config, scenario, learner, device
         self.board = board  # the TensorBoard log (`tensorboard: true`, main process), or None
-        self.run = run  # what every checkpoint records it belongs to: the run's identity, computed config, data
+        self.run = run  # what every checkpoint records it belongs to: the run's identity, computed config, data, model
         self.checkpoint_path, self.main_process, self.confirm_lock = checkpoint_path, main_process, confirm_lock
         self.saved_at: int | None = None if state is None else state["iteration"]  # the checkpoint on disk
         self.saving: int | None = None  # the iteration of a checkpoint being written

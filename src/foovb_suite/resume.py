@@ -1,6 +1,7 @@
 """What --resume checks before it continues a run: that the config computes what the run's config.yaml does
 (`check_config_unchanged`), and that the checkpoint belongs to the run in the directory, written under its config, on
-its data, with records that fit its scenario (`run_identity`, which also draws a new run's identity for run.json)."""
+its data, for its custom model, with records that fit its scenario (`run_identity`, which also draws a new run's
+identity for run.json)."""
 
 from __future__ import annotations
 
