@@ -1036,17 +1036,22 @@ def test_an_interrupted_custom_run_resumes_to_the_uninterrupted_result(example_d
     assert [r["iteration"] for r in _records(example_dir / "whole")] == ([39, 78] if mode == "discrete" else [40, 80])
 
 
-def test_resume_refuses_a_factory_that_returns_other_data(example_dir, monkeypatch, capsys) -> None:
+def _interrupted_then_edited(example_dir, monkeypatch, old: str, new: str) -> None:
+    """The documented example run in "r", interrupted after its checkpoint at iteration 5; then `old` in its module
+    replaced by `new` (the module imported afresh at the next run)."""
     _without_plots(monkeypatch)
     with monkeypatch.context() as patch:
         _crash_at(patch, 10)
         with pytest.raises(_Crash):
             main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--set", "checkpoint_every=5"])
     module = example_dir / "two_tasks.py"
-    changed = module.read_text().replace("centres = 2 * torch.randn", "centres = 3 * torch.randn")
-    assert changed != module.read_text()
-    module.write_text(changed)
+    assert old in module.read_text()
+    module.write_text(module.read_text().replace(old, new))
     del sys.modules["two_tasks"]
+
+
+def test_resume_refuses_a_factory_that_returns_other_data(example_dir, monkeypatch, capsys) -> None:
+    _interrupted_then_edited(example_dir, monkeypatch, "centres = 2 * torch.randn", "centres = 3 * torch.randn")
     assert main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("foovb: error: --resume: scenario.factory 'two_tasks:make_tasks' returns other data than "
@@ -1058,18 +1063,10 @@ def test_resume_refuses_a_model_factory_that_builds_another_model(example_dir, m
     """A user's trial changed the factory's activation and resumed: the checkpoint's weights trained on in another
     network, silently. Now another model (its modules as printed) is an error; the factory's file edited with the
     same modules (a comment here; a function in a forward would be too) resumes with a warning naming the file."""
-    _without_plots(monkeypatch)
-    with monkeypatch.context() as patch:
-        _crash_at(patch, 10)
-        with pytest.raises(_Crash):
-            main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--set", "checkpoint_every=5"])
-    module = example_dir / "two_tasks.py"
     old = "nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),"
-    new = ("nn.Linear(math.prod(input_shape), hidden), nn.Tanh()," if edit == "activation" else
-           "nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),  # hidden layer")
-    assert old in module.read_text()
-    module.write_text(module.read_text().replace(old, new))
-    del sys.modules["two_tasks"]
+    _interrupted_then_edited(example_dir, monkeypatch, old, old.replace("ReLU", "Tanh") if edit == "activation" else
+                             old + "  # hidden layer")
+    module = example_dir / "two_tasks.py"
     code = main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"])
     err = capsys.readouterr().err
     if edit == "activation":
