@@ -24,6 +24,10 @@ def read_summary(path: Path) -> list[dict]:
         if text in ("True", "False"):
             return text == "True"
         try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
             return float(text)
         except ValueError:
             return math.nan if text == "" else text
@@ -49,7 +53,7 @@ def table(columns: list[tuple[str, list[dict]]], family: str) -> list[str]:
         row("drift cells: first task >= 10 points above the best baseline",
             lambda c: f"{len(c['kept'])} of {len(c['drift'])}"),
         row("... of those a learner can reach", lambda c: f"{len([r for r in c['reachable'] if r in c['kept']])} of "
-            f"{len(c['reachable'])}"),
+            f"{len(c['reachable'])}" if c["measured"] else "not measured"),
         row("accuracy cells more than 2 points below the best baseline",
             lambda c: f"{len(c['low'])} of {len(c['accuracy'])}" + (f" ({', '.join(c['low'])})" if c['low'] else "")),
         row("errors above 1.5x the best baseline's",
@@ -69,7 +73,12 @@ def main() -> None:
         label, _, path = spec.rpartition("=")
         if not label or not Path(path).is_file():
             parser.error(f"{spec!r}: expected LABEL=an existing summary CSV")
-        columns.append((label, read_summary(Path(path))))
+        rows = read_summary(Path(path))
+        halves = sorted({str(r.get("half")) for r in rows})
+        if len(halves) > 1:  # the grid counts its targets per half
+            parser.error(f"{path} holds both halves of the grid ({', '.join(halves)}): one column per half, from a "
+                         "summary of one --half")
+        columns.append((label, rows))
     lines = table(columns, args.family)
     print("\n".join(lines))
     if args.out:

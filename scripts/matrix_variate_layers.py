@@ -185,7 +185,8 @@ def main() -> None:
                              statistics.fmean(r["tasks"][0] for r in records),
                              statistics.fmean(learned) if len(learned) == len(records) else None)
         # as the grid: each of SGD and Adam at its lr of the best average; the better average, the better first task
-        tuned = [max((value for name, value in rows.items() if name.startswith(kind) and value), default=(0, 0))
+        tuned = [max((value for name, value in rows.items() if name.startswith(kind) and value), default=(0, 0),
+                     key=lambda value: value[:2])
                  for kind in ("sgd_", "adam_")]
         best = (max(value[0] for value in tuned), max(value[1] for value in tuned))
         line = [f"{cell:13s} best baseline {best[0]:5.1f} (first {best[1]:5.1f})"]

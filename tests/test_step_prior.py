@@ -70,6 +70,17 @@ def test_the_mean_step_takes_a_prior_k_times_wider(family):
         assert step.norm() > 1.5 * plain_step.norm()  # the first steps are wider, not a rounding difference
 
 
+def test_the_recommended_factors():
+    """FOOVB(model) (the matrix-variate preset) widens the mean step's prior 64 times since session 54, its fallback
+    diagonal tensors too; the diagonal preset 16 times (docs/results/step_prior_64.md)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    opt = FOOVB(model)
+    assert opt.step_prior == 64.0 and FOOVB(net(), "diagonal").step_prior == 16.0
+    norm = next(block for block in opt.blocks if block.module is model[1])
+    priors = norm.mean_step_priors()
+    assert norm.family == "diagonal" and float(priors[1] / priors[0]) == pytest.approx(64.0)
+
+
 @pytest.mark.parametrize("family", ["diagonal", "kronecker", "full"])
 def test_a_factor_of_one_is_off(family):
     """step_prior=1 (the paper preset's) takes the algorithm's step Sigma E[g]: no prior to swap in any block,

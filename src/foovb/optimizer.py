@@ -62,6 +62,7 @@ from .priors import prior_blocks
 from .reduction import hold_module_hooks, loss_reduction_of
 from .secant import cut_mean_steps, mean_gradients, secant_fraction_at_new_mean
 from .validation import (
+    caller_stacklevel,
     check_same_parameters,
     inspection_seed,
     refuse_accumulated_gradients,
@@ -417,7 +418,7 @@ class FOOVB(Persistence):
             f"FOOVB: the model called {ran!r} last, but the output layer that FOOVB treats apart (no step_prior "
             f"widening; the diagonal output factor) is the last layer registered with trainable parameters, "
             f"{registered!r}. If {ran!r} computes the outputs, register it last{move} and build FOOVB again: wider "
-            "steps on the output layer cost retention (docs/api.md)", stacklevel=4)
+            "steps on the output layer cost retention (docs/api.md)", stacklevel=caller_stacklevel())
 
     def _adopt_model_weights(self) -> None:
         """Values written into the parameters since the last step become the mean (not a loaded sample)."""
@@ -482,7 +483,7 @@ class FOOVB(Persistence):
         except Exception as error:  # noqa: BLE001 - the user's closure; Ctrl-C and the like propagate
             warnings.warn(f"FOOVB: the closure failed at the new mean ({type(error).__name__}: {error}), where it "
                           "runs once more for batch norm's running statistics: they are the average of the step's "
-                          "samples' this step (the update was applied)", stacklevel=4)
+                          "samples' this step (the update was applied)", stacklevel=caller_stacklevel())
             return False
         return True
 
@@ -491,7 +492,8 @@ class FOOVB(Persistence):
         model's inputs of `call` (`foovb.calibration`), the model in eval mode."""
         if call is None:
             warnings.warn("FOOVB: calibrate_prior needs the model's output on the step's batch, and the closure did "
-                          "not call the model given to FOOVB: the prior was not calibrated", stacklevel=4)
+                          "not call the model given to FOOVB: the prior was not calibrated",
+                          stacklevel=caller_stacklevel())
             return
         args, kwargs = call
 
@@ -522,7 +524,7 @@ class FOOVB(Persistence):
                               "sampled_params(train=True) blocks do not give the optimizer: these steps are not "
                               "checked and differ from step(closure)'s (use step(closure) or step_batched, or "
                               "build the optimizer with secant_check=False to take unchecked steps knowingly)",
-                              stacklevel=6)  # _finish_step, _finish_own_loop, step, torch's wrapper, the caller
+                              stacklevel=caller_stacklevel())
             return False
         fraction = secant_fraction_at_new_mean(pending, means_before, grads_before, self.statistics_reducer)
         if fraction < 1:

@@ -83,16 +83,16 @@ The arguments of FOOVB:
         the uncalibrated prior's step V where the posterior is still the prior (Sigma = v0), the algorithm's Sigma where
         the likelihood has taken over (`foovb.calibration`). Needs the step's batch (step(closure) or
         step_batched) and is refused in data-parallel training (an extension).
-    step_prior: K >= 1 (1: off, the algorithm's step; 64 in the matrix-variate family's recommended preset, 16 in the
-        diagonal family's): the mean step's prior variance is K times that of the prior the samples are drawn from (v0,
-        after calibrate_prior where it acts), every mean step taken with (Sigma^-1 - 1/v0 + 1/(K v0))^-1: K times the
-        prior's step in the directions no batch has measured yet, the algorithm's Sigma where the likelihood has taken
-        over, the samples' noise unchanged (`foovb.calibration`; with calibrate_prior, K times the uncalibrated prior).
-        Every layer except the output layer (the last parameter block's module), nn.MultiheadAttention's own projections
-        and matrix-variate layers wider than posterior="auto" makes them (more than 1,024 inputs or outputs;
-        `calibration.step_prior_blocks`); those take the algorithm's step. The matrix-variate family takes the step in
-        the eigenbases of the layer's two factors, a factor wider than 512 decomposed anew only when it has moved by
-        more than a tenth since (an extension).
+    step_prior: K >= 1 (1: off, the algorithm's step; 64 in the matrix-variate family's recommended preset, its fallback
+        diagonal tensors included, 16 in the diagonal family's): the mean step's prior variance is K times that of the
+        prior the samples are drawn from (v0, after calibrate_prior where it acts), every mean step taken with (Sigma^-1
+        - 1/v0 + 1/(K v0))^-1: K times the prior's step in the directions no batch has measured yet, the algorithm's
+        Sigma where the likelihood has taken over, the samples' noise unchanged (`foovb.calibration`; with
+        calibrate_prior, K times the uncalibrated prior). Every layer except the output layer (the last parameter
+        block's module), nn.MultiheadAttention's own projections and matrix-variate layers wider than posterior="auto"
+        makes them (more than 1,024 inputs or outputs; `calibration.step_prior_blocks`); those take the algorithm's
+        step. The matrix-variate family takes the step in the eigenbases of the layer's two factors, a factor wider than
+        512 decomposed anew only when it has moved by more than a tenth since (an extension).
     max_full_params: full family: the largest block (its square root of the covariance is d x d).
     loss_reduction: how the loss that the closure calls backward() on relates to the paper's L_n, the
         batch's summed negative log-likelihood. "auto": read from the loss (`foovb.reduction`): a mean

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from .posteriors import PosteriorBlock
 
-__all__ = ["check_same_parameters", "inspection_seed", "is_boolean", "is_integer", "is_real",
+__all__ = ["caller_stacklevel", "check_same_parameters", "inspection_seed", "is_boolean", "is_integer", "is_real",
            "refuse_accumulated_gradients", "refuse_training_closure", "trainable_blocks", "unknown_arguments"]
 
 # what a torch optimizer's arguments become in FOOVB (a user porting from SGD or Adam)
@@ -26,6 +27,18 @@ TORCH_ARGUMENTS = {
     "momentum": "the step has none; the covariance carries what the past batches measured",
     "betas": "the step has none; the covariance carries what the past batches measured",
 }
+
+
+LIBRARY_PACKAGES = ("foovb", "torch", "lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for `warnings.warn` in the calling function that names the user's line: the first frame up the
+    stack outside foovb, torch (its optimizer's step wrapper) and Lightning (its optimizer_step chain)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in LIBRARY_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def is_real(value: object) -> bool:
