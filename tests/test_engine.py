@@ -306,18 +306,21 @@ def test_batch_norm_running_statistics_of_sampled_params_steps_are_the_samples_a
     _updated_once_from(seen, model[1])
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3])
 @pytest.mark.parametrize("family", ["diagonal", "kronecker"])
-def test_step_batched_evaluates_conv_models_one_sample_at_a_time_on_the_cpu(family, monkeypatch):
+def test_step_batched_evaluates_conv_models_one_sample_at_a_time_on_the_cpu(family, dims, monkeypatch):
     """On the CPU the K samples of a Conv2d stacked (one grouped convolution) are slower than K convolutions
-    (docs/performance.md): step_batched of a model with a Conv2d takes step(closure)'s route, with its update;
-    the same model on another device (meta here, for a GPU) is stacked."""
+    (docs/performance.md): step_batched of a model with a convolution (Conv1d-3d) takes step(closure)'s route, with
+    its update; the same model on another device (meta here, for a GPU) is stacked."""
     import foovb.engine as engine
+
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
 
     def cnn(seed):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+        return nn.Sequential(conv(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 ** dims, 3))
 
-    x, y = torch.randn(5, 1, 6, 6), torch.randint(3, (5,))
+    x, y = torch.randn(5, 1, *[6] * dims), torch.randint(3, (5,))
     batched, sequential = cnn(0), cnn(0)
     opts = [FOOVB(batched, family, 4, seed=1), FOOVB(sequential, family, 4, seed=1)]
     with monkeypatch.context() as patch:

@@ -1,6 +1,6 @@
 """The matrix-variate family on nn.Conv1d / Conv2d / Conv3d (issue 28; 1-D and 3-D since session 52): the conv
 block's samples and update statistics against a direct computation (im2col: a convolution is W_mat @ [patches(x); 1]),
-on both Monte Carlo paths (the batched one: Conv2d), and a real-data check that a small matrix-variate CNN learns
+on both Monte Carlo paths, and a real-data check that a small matrix-variate CNN learns
 MNIST.
 
 Background (issue 28): a convolution's gradient sums over batch x output positions, so with independent
@@ -33,7 +33,7 @@ CONVS = {  # name -> (the conv, the spatial shape of its test inputs)
     "3d-no-bias": (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=(2, 3, 2), padding=(0, 1, 0),
                                    bias=False), (3, 4, 5)),
 }
-BATCHED = ("bias", "no-bias-strided", "dilated")  # step_batched supports Conv2d only
+BATCHED = tuple(CONVS)  # step_batched: Conv1d-3d (Conv2d only before session 55)
 
 
 def make_conv(spec: str) -> nn.Module:

@@ -1,6 +1,6 @@
 """The batched path (FOOVB.step_batched, foovb.sampled.SampledNetwork): the K samples evaluated in one stacked
-pass give step(closure)'s update (any chunking, float32 and float64, MLPs and CNNs, antithetic pairs, mean or sum
-losses, layers sharing one input), and what it cannot compute as step(closure) does is refused (check_batched_support:
+pass give step(closure)'s update (any chunking, float32 and float64, MLPs and 1-D / 2-D CNNs, antithetic pairs, mean or
+sum losses, layers sharing one input), and what it cannot compute as step(closure) does is refused (check_batched_support:
 normalisation over the batch, overridden forwards, weight_norm, reshaped batches, a Linear called twice) while
 step(closure) trains it."""
 
@@ -35,7 +35,19 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # ---------------------------------------------------------------------------------------------------------
 # Sequential == batched, loss reductions
 # ---------------------------------------------------------------------------------------------------------
-ARCHS = {"mlp": (mlp, mlp_batch), "cnn": (cnn, cnn_batch)}
+def cnn1d(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Conv1d layers (batched since session 55): a shared-input one, then a grouped one on per-sample activations."""
+    torch.manual_seed(seed)
+    convs = [nn.Conv1d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 2, 3, stride=2, groups=2), nn.ReLU()]
+    return nn.Sequential(*convs, nn.Flatten(), nn.Linear(2 * 3, 3)).to(dtype)
+
+
+def cnn1d_batch(seed: int = 1, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = make_generator(seed)
+    return torch.randn(rows, 2, 7, generator=g), torch.randint(3, (rows,), generator=g)
+
+
+ARCHS = {"mlp": (mlp, mlp_batch), "cnn": (cnn, cnn_batch), "cnn1d": (cnn1d, cnn1d_batch)}
 
 
 def _train(arch, family, mode, steps=2, k_samples=5, chunk=None, reduction="sum", seed=13, dtype=F64,

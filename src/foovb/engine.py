@@ -30,7 +30,8 @@ __all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAY
 
 # On the CPU, a sampled weight of this many elements (or more) in one layer makes step_batched's stacked samples
 # slower than one network at a time (docs/performance.md: diagonal K=10, 784-1000-1000-10 1.37x), and so does any
-# nn.Conv2d (one grouped convolution: a step 1.2-1.5x slower on the LeNet and a small CNN, the predictions 1.3-2x).
+# convolution (one grouped convolution: a step 1.2-1.5x slower on the LeNet and a small CNN, the predictions 1.3-2x;
+# measured with nn.Conv2d, assumed for nn.Conv1d / Conv3d).
 # On a GPU stacking wins at every width measured (a step there is bound by kernel launches).
 WIDE_LAYER = 2**17
 
@@ -496,10 +497,10 @@ def check_batched_step(blocks: list[PosteriorBlock], model: nn.Module, loss_redu
 
 
 def stacking_is_slower(blocks: list[PosteriorBlock]) -> bool:
-    """On the CPU: an nn.Conv2d layer, or a layer whose samples are built whole (not a matrix-variate nn.Linear)
-    with WIDE_LAYER elements or more. Never on another device (a GPU: docs/performance.md, "On a GPU")."""
+    """On the CPU: a convolution (nn.Conv1d-3d), or a layer whose samples are built whole (not a matrix-variate
+    nn.Linear) with WIDE_LAYER elements or more. Never on another device (a GPU: docs/performance.md, "On a GPU")."""
     def slower(block: PosteriorBlock) -> bool:
-        if isinstance(block.module, nn.Conv2d):
+        if isinstance(block.module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             return True
         if isinstance(block, KroneckerBlock) and isinstance(block.module, nn.Linear):
             return False

@@ -540,10 +540,10 @@ class FOOVB(Persistence):
 
     def step_batched(self, inputs: Tensor, targets: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                      *, chunk_size: int | None = None) -> Tensor:
-        """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv2d models): the same
+        """One FOO-VB step evaluating the K samples stacked (batched matmuls; nn.Linear / nn.Conv1d-3d models): the same
         update as `step` for the same seed. loss_fn(outputs, targets) (default: cross-entropy, reduced as
         `loss_reduction` says) sees the K r stacked rows and the targets repeated K times: a sum or a mean over rows;
-        `chunk_size` samples per pass bound the memory. On the CPU an nn.Conv2d or a WIDE_LAYER makes the step go one
+        `chunk_size` samples per pass bound the memory. On the CPU a convolution or a WIDE_LAYER makes the step go one
         sample at a time, as `step` does (faster there: docs/performance.md). Returns the mean loss."""
         if self._pending is not None:
             raise RuntimeError("step_batched while sampled_params(train=True) blocks have started a step: call "

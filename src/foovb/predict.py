@@ -98,8 +98,8 @@ def sample_probabilities(optimizer: FOOVB, inputs: Tensor, num_samples: int, *, 
                          chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Tensor:
     """Class probabilities of `num_samples` networks drawn from the posterior, (K, r, C).
 
-    Uses the batched path when the model allows it (nn.Linear / nn.Conv2d parameters) and, on the CPU, has
-    neither an nn.Conv2d nor a wide layer (`engine.stacking_is_slower`: stacked, conv nets' predictions were
+    Uses the batched path when the model allows it (nn.Linear / nn.Conv1d-3d parameters) and, on the CPU, has
+    neither a convolution nor a wide layer (`engine.stacking_is_slower`: stacked, conv nets' predictions were
     measured 1.3-2x slower than one network at a time, a 784-1000-1000-10 MLP's 1.2x); else, or when the stacked
     forward fails (a skip connection from the input, inputs of more than 2 dimensions), loads the samples one at
     a time. `seed` fixes the draws (independent of the training noise stream), the same on both routes; None:

@@ -2,7 +2,7 @@
 
 The paper's complexity appendix names two strategies: sequential samples (one network in memory) and
 parallel samples. This module is the parallel one. While `SampledNetwork` is active, every covered
-`nn.Linear` / `nn.Conv2d` computes the outputs of `c` sampled networks at once:
+`nn.Linear` / `nn.Conv1d`-`3d` computes the outputs of `c` sampled networks at once:
 
 * activations are stacked sample-major, (c * r, ...) for a batch of r rows; the input of the first layer is
   the plain batch (r, ...) and is shared by all samples, so that layer is one GEMM/convolution against the
@@ -33,7 +33,8 @@ from .precision import full_precision
 
 __all__ = ["SampledNetwork", "augmented_input", "check_batched_support", "stacked_samples"]
 
-SUPPORTED = (nn.Linear, nn.Conv2d)
+CONVOLUTIONS = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+SUPPORTED = (nn.Linear, *CONVOLUTIONS)
 _STACKED = ContextVar("stacked_samples", default=0)
 
 
@@ -44,14 +45,14 @@ def stacked_samples() -> int:
 
 def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | None = None) -> None:
     """Raise a clear error if the batched path would compute something else than the sequential one: a
-    parameter outside nn.Linear / nn.Conv2d or other than their weight and bias (weight_norm's), a forward of
+    parameter outside nn.Linear / nn.Conv1d-3d or other than their weight and bias (weight_norm's), a forward of
     such a module other than torch's own (it is replaced by the batched one), or a module of `model` that
     mixes the rows of a batch (batch norm using batch statistics: the stacked samples would share them)."""
     bad = sorted({type(b.module).__name__ if b.module is not None else "<no module>" for b in blocks
                   if not isinstance(b.module, SUPPORTED)})
     if bad:
         raise ValueError(
-            f"the batched Monte Carlo path supports parameters of nn.Linear and nn.Conv2d only, found "
+            f"the batched Monte Carlo path supports parameters of nn.Linear and nn.Conv1d-3d only, found "
             f"parameters in {', '.join(bad)}; use the sequential path FOOVB.step(closure) for this model"
         )
     for block in blocks:
@@ -60,14 +61,14 @@ def check_batched_support(blocks: Sequence[PosteriorBlock], model: nn.Module | N
                              "weight_norm's weight_g / weight_v), which the batched Monte Carlo path would not "
                              "sample; use FOOVB.step(closure) for this model")
     for module in {b.module for b in blocks}:
-        base = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
+        base = next(kind for kind in SUPPORTED if isinstance(module, kind))
         own = [name for name in ("forward", "_conv_forward") if hasattr(base, name)
                and (getattr(type(module), name) is not getattr(base, name) or name in vars(module))]
-        if own:  # Conv2d.forward calls _conv_forward, which subclasses override (weight standardisation)
+        if own:  # ConvNd.forward calls _conv_forward, which subclasses override (weight standardisation)
             raise ValueError(f"{type(module).__name__} has its own {own[0]}, which the batched Monte Carlo path "
                              f"would replace by {base.__name__}'s; use FOOVB.step(closure) for this model")
-        if isinstance(module, nn.Conv2d) and module.padding_mode != "zeros":
-            raise ValueError("the batched Monte Carlo path supports Conv2d with padding_mode='zeros' only")
+        if base is not nn.Linear and module.padding_mode != "zeros":
+            raise ValueError(f"the batched Monte Carlo path supports {base.__name__} with padding_mode='zeros' only")
     for module in [] if model is None else model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or not module.track_running_stats):
             raise ValueError(f"{type(module).__name__} normalises with batch statistics, which the stacked samples "
@@ -141,12 +142,13 @@ class _Layer:
     def _conv(self, x: Tensor, shared: bool) -> Tensor:
         c, r, m = self.c, self.r, self.module
         w, b = self.weight.flatten(0, 1), None if self.bias is None else self.bias.flatten()
+        conv = CONVOLUTIONS[next(kind for kind in CONVOLUTIONS if isinstance(m, kind))]
         if shared and m.groups == 1:
-            y = F.conv2d(x, w, b, m.stride, m.padding, m.dilation, 1)
+            y = conv(x, w, b, m.stride, m.padding, m.dilation, 1)
         else:
             stacked = x.expand(c, *x.shape) if shared else x.view(c, r, *x.shape[1:])
-            grouped = stacked.transpose(0, 1).flatten(1, 2)  # (r, c * C, H, W)
-            y = F.conv2d(grouped, w, b, m.stride, m.padding, m.dilation, c * m.groups)
+            grouped = stacked.transpose(0, 1).flatten(1, 2)  # (r, c * C, *spatial)
+            y = conv(grouped, w, b, m.stride, m.padding, m.dilation, c * m.groups)
         return _unstack(y, c, r)
 
     def _kronecker_linear(self, x: Tensor, shared: bool) -> Tensor:
