@@ -2,8 +2,7 @@
 pass give step(closure)'s update (any chunking, float32 and float64, MLPs and 1-D / 2-D CNNs, antithetic pairs, mean or
 sum losses, layers sharing one input), and what it cannot compute as step(closure) does is refused
 (check_batched_support: normalisation over the batch, overridden forwards, weight_norm, reshaped batches, a Linear
-called twice) while
-step(closure) trains it."""
+called twice) while step(closure) trains it."""
 
 import math
 import warnings
