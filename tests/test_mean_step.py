@@ -174,6 +174,43 @@ def test_a_divergence_names_the_layer_its_effective_rate_and_the_fix():
     assert losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.parametrize("corrupt", ["input", "target"])
+def test_non_finite_data_is_named_not_the_step_sizes(corrupt):
+    """One NaN in the inputs (or an inf target) at the first step: the error says that the closure's gradients at the
+    mean, with no sampling noise, are non-finite too, and gives no step-size advice (a user's trial, session 55: it
+    blamed the step prior with an 'effective learning rate of 171'); at a later step it gives both."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 10), torch.randn(32, 3)
+    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = FOOVB(model, seed=0)
+    bad_x, bad_y = x.clone(), y.clone()
+    if corrupt == "input":
+        bad_x[3, 2] = float("nan")
+    else:
+        bad_y[0, 0] = float("inf")
+
+    def closure(x: torch.Tensor, y: torch.Tensor):
+        def run() -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        return run
+
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FloatingPointError) as error:
+        opt.step(closure(bad_x, bad_y))
+    message = str(error.value)
+    assert "at the posterior mean too" in message and "check the batch" in message
+    assert "effective learning rate" not in message and "step_prior" not in message
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    opt.step(closure(x, y))  # a clean batch trains; then the corrupted one again
+    with pytest.raises(FloatingPointError) as error:
+        opt.step(closure(bad_x, bad_y))
+    message = str(error.value)
+    assert "at the posterior mean too" in message and "the mean itself went too far" in message
+    assert "effective learning rate" in message
+
+
 def rank_one_step(curvature_damping: bool, steps: int, rows: int = 1, mean: bool = False):
     """A bias-free Linear(50, 1) whose weight has the loss c/2 (a.w - t)^2 per row, a = ones: a rank-one Hessian
     c a a^T, the coupling of 50 weights that see the same input, which mean field sees as 50 curvatures c."""

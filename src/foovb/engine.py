@@ -276,9 +276,9 @@ class Step:
         try:
             with torch.enable_grad(), spy, capture if capture is not None else contextlib.nullcontext():
                 yield sample
+            check_gradients(self.all_blocks, layouts=not self.count)  # first: sparse gradients refused before use
             if deferred:
                 capture.check_seen(sample.loss, params)
-            check_gradients(self.all_blocks, layouts=not self.count)
             if isinstance(spy, LossSpy) and spy.last_watched is not None:
                 self.last_layer = spy.last_watched
             if self.grad_scale is None:  # the batch is the same for every sample: read its scale once

@@ -427,6 +427,25 @@ class FOOVB(Persistence):
         for block in self.blocks:
             block.adopt_params()
 
+    _NONFINITE_AT_MEAN = ("The closure gives non-finite gradients at the posterior mean too, with no sampling noise: "
+                          "check the batch (inputs and targets), the model and the loss for NaN or inf, e.g. with "
+                          "torch.isfinite(x).all()")
+
+    @staticmethod
+    def _nonfinite_at_mean(pending: Step) -> bool:
+        """After a refused update (the mean in the model): whether the step's closure, run once more at the mean, gives
+        non-finite gradients too (then the data, model or loss are the cause, not the sampling). Batch-norm running
+        statistics are left as the step found them; False where the step has no closure or the closure raises."""
+        if pending.recheck is None:
+            return False
+        try:
+            grads = pending.run_at_mean()
+        except Exception:  # noqa: BLE001 - the refused update's error is the one to report
+            return False
+        finally:
+            pending.running.restore()
+        return not torch.stack(torch._foreach_norm(grads)).sum().isfinite()
+
     def _finish_step(self) -> Tensor:
         """UPDATE from the statistics of the step's K samples; batch-norm statistics as the new mean's."""
         pending, self._pending = self._pending, None
@@ -449,7 +468,11 @@ class FOOVB(Persistence):
             self.load_mean_into_model()  # step(closure) leaves its last sample in the model until the update
             self._undo_calibration()
             if isinstance(error, FloatingPointError):
-                raise FloatingPointError(f"{error}. {divergence_advice(self, pending.grad_scale)}") from error
+                advice = divergence_advice(self, pending.grad_scale)
+                if self._nonfinite_at_mean(pending):  # at step 0 the mean is the user's model as it was given
+                    advice = self._NONFINITE_AT_MEAN + ("" if not self.steps_taken else
+                                                        f". If they are finite, the mean itself went too far: {advice}")
+                raise FloatingPointError(f"{error}. {advice}") from error
             raise
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})
         if pending.watch_layers:
