@@ -178,7 +178,7 @@ def test_a_state_dict_saved_when_conv1d_was_diagonal_says_so(monkeypatch):
         saved = FOOVB(model).state_dict()
     opt = FOOVB(model)
     with pytest.raises(ValueError, match="holds a diagonal posterior where this FOOVB keeps the kronecker posterior "
-                                         r"of parameter 0 \(shape \(3, 2, 3\)\).*"
+                                         r"of parameter 0 \('0.weight', shape \(3, 2, 3\)\).*"
                                          "before 2026-11-29 it made nn.Conv1d / nn.Conv3d diagonal"):
         opt.load_state_dict(saved)
 

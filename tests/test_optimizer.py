@@ -137,6 +137,16 @@ def test_a_torch_optimizers_arguments_and_misspellings_are_told_what_to_pass():
         FOOVB([{"params": mlp().parameters(), "lr": 0.1}])
 
 
+def test_a_lazy_module_before_its_first_forward_is_told_to_run_one():
+    """nn.LazyLinear's parameters have no shape until a forward: torch's 'uninitialized parameter' error came from
+    deep inside the construction (a user's trial, session 55); after one forward FOOVB takes the model."""
+    model = nn.Sequential(nn.LazyLinear(6), nn.ReLU(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"^0.weight, 0.bias: not initialised yet .* run one forward pass"):
+        FOOVB(model)
+    model(torch.randn(2, 4))
+    assert [tuple(block.params[0].shape) for block in FOOVB(model).blocks] == [(6, 4), (3, 6)]
+
+
 def test_full_family_too_large_layer_reports_memory():
     with pytest.raises(ValueError, match=r"\d+\.\d+ GiB") as err:
         FOOVB(nn.Linear(100, 50), "full", **PAPER)  # 5050 > 4096 parameters

@@ -218,7 +218,8 @@ def test_load_state_dict_refuses_bad_values_and_changes_nothing(family, options,
     saved["param_groups"][0]["lr"] = 0.5  # differs from the optimizer's, as the generator and steps_taken do
     _steps(model, opt, 1, 1)
     saved["state"][index][key] = corrupt(saved["state"][index][key])
-    named = re.escape(f"the {family} posterior of parameter {index} (shape {SHAPES[index]})")
+    name = [name for name, _ in model.named_parameters()][index]  # named since session 55 (it said "parameter 7")
+    named = re.escape(f"the {family} posterior of parameter {index} ({name!r}, shape {SHAPES[index]})")
     _refused_load_changes_nothing(opt, model, saved, f"^cannot load {named}: its {key!r} {re.escape(match)}")
     _steps(model, opt, 2, 1)  # still usable
 

@@ -131,7 +131,8 @@ class FOOVB(Persistence):
         antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, diagonal_output_factor,
             secant_check, calibrate_prior, step_prior, max_full_params: `foovb.presets`.
         loss_reduction: "auto" (read from the loss, `foovb.reduction`), "sum" (the loss is L_n) or "mean" (L_n / n).
-        seed: seed of the Monte Carlo noise and of the paper initialisation (None: drawn from torch).
+        seed: seed of the Monte Carlo noise and of the paper initialisation (None: one draw of torch's global generator,
+            which shifts what it gives afterwards, e.g. a DataLoader's order: pass seed= to compare runs).
     """
 
     def __init__(
@@ -179,6 +180,11 @@ class FOOVB(Persistence):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
+        lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise ValueError(f"{', '.join(lazy[:3])}{' ...' if len(lazy) > 3 else ''}: not initialised yet (a lazy "
+                             "module, e.g. nn.LazyLinear): run one forward pass of the model on a batch before "
+                             "FOOVB(model), which needs every parameter's shape")
         defaults = param_group_defaults(posterior, mc_samples, loss_reduction, settings)
         super().__init__(params, defaults)
         self._fixed = {key: defaults[key] for key in FIXED}

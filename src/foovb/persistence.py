@@ -59,7 +59,8 @@ class Persistence(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         check_state_dict(state_dict, self._fixed, len(self.param_groups[0]["params"]), self.blocks,
                          {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}, self.generator,
-                         step_prior_blocks(self.blocks) if self.step_prior > 1 else ())
+                         step_prior_blocks(self.blocks) if self.step_prior > 1 else (),
+                         {id(p): name for name, p in self.model.named_parameters()})
         extra = state_dict.pop("foovb")
         state_dict["param_groups"] = [{**LEGACY_FIXED, **group} for group in state_dict["param_groups"]]
         super().load_state_dict(state_dict)

@@ -275,10 +275,11 @@ def param_group_defaults(posterior: str, mc_samples: int, loss_reduction: str, s
 
 def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: list[PosteriorBlock],
                      index: dict[int, int], generator: torch.Generator,
-                     widened: Collection[PosteriorBlock] = ()) -> None:
+                     widened: Collection[PosteriorBlock] = (), names: dict[int, str] | None = None) -> None:
     """ValueError unless `state_dict` was saved by a FOOVB with the `fixed` settings on the same architecture
     (`num_params` trainable tensors; each block's state of the same shapes and values it could hold:
-    `check_block_state`, with step_prior's entries in the `widened` blocks; `index`: id(param) -> its position),
+    `check_block_state`, with step_prior's entries in the `widened` blocks; `index`: id(param) -> its position,
+    `names`: id(param) -> its name in the model, for the errors),
     with a state that a generator like `generator` accepts and a step count. Nothing is changed: a load that passes
     cannot be refused half-way."""
     progress = state_dict["foovb"]
@@ -321,13 +322,15 @@ def check_state_dict(state_dict: dict, fixed: dict, num_params: int, blocks: lis
     for block in blocks:
         position = index[id(block.params[0])]
         check_block_state(block, position, state_dict["state"].get(position, {}),
-                          required=CALIBRATED if block in widened else ())
+                          required=CALIBRATED if block in widened else (),
+                          param_name=(names or {}).get(id(block.params[0])))
 
 
 FAMILY_KEYS = {"std": "diagonal", "input_sqrt_cov": "kronecker", "sqrt_cov": "full"}  # the entry only it keeps
 
 
-def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = ()) -> None:
+def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = (),
+                      param_name: str | None = None) -> None:
     """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
     the block keeps (and each optional entry present, or `required`: step_prior's v0 and V) of its shape and of its
     dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
@@ -335,7 +338,8 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
     matrix square root of a covariance not all zero unless the block's own is (the matrix-variate factors never
     are: Lemma 2 keeps them nonsingular), and diagonal where the block keeps it so (diagonal_output_factor). O(size):
     no decomposition."""
-    name = f"the {block.family} posterior of parameter {position} (shape {tuple(block.params[0].shape)})"
+    named = f"{param_name!r}, " if param_name else ""
+    name = f"the {block.family} posterior of parameter {position} ({named}shape {tuple(block.params[0].shape)})"
     saved_family = next((family for key, family in FAMILY_KEYS.items() if key in saved), block.family)
     if saved_family != block.family:
         raise ValueError(
