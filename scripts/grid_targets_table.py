@@ -1,8 +1,9 @@
 """The robustness grid's targets (issue 54) side by side for several summary CSVs (`benchmarks/robustness_grid.py`'s
 summary_TAG.csv, one per candidate and seeds), as a markdown table: one column per CSV, one row per target, counted
-as the grid's own targets (`robustness_grid.target_counts`).
+as the grid's own targets (`robustness_grid.target_counts`). `--cells`: one row per named cell instead, with the best
+baseline's average (first task) and each CSV's, minus the best baseline's.
 
-    python scripts/grid_targets_table.py [--family kronecker] LABEL=SUMMARY.csv ... [--out TABLE.md]
+    python scripts/grid_targets_table.py [--family kronecker] LABEL=SUMMARY.csv ... [--cells A,B] [--out TABLE.md]
 """
 
 from __future__ import annotations
@@ -62,10 +63,33 @@ def table(columns: list[tuple[str, list[dict]]], family: str) -> list[str]:
     ]
 
 
+def cells_table(columns: list[tuple[str, list[dict]]], family: str, cells: list[str]) -> list[str]:
+    """One row per cell: the best baseline's average (first task), each column's, and each minus the best baseline's
+    (accuracy: points; error: the ratio)."""
+    lines = ["| cell | best baseline: average (first task) | " + " | ".join(label for label, _ in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for cell in cells:
+        rows = [next((r for r in rows if r["cell"] == cell), None) for _, rows in columns]
+        if any(r is None for r in rows):
+            raise SystemExit(f"grid_targets_table: {cell} is not in every summary")
+        first = rows[0]
+        line = f"| {cell} | {first['best_baseline_average']:.4g} ({first['best_baseline_first']:.4g}) |"
+        for r in rows:
+            if r.get(f"{family}_diverged") is True:
+                line += " diverged |"
+                continue
+            vs = r[f"{family}_average_vs_best"]
+            versus = f"{vs:.2f}x" if r["metric"] != "accuracy" else f"{vs:+.1f} ({r[f'{family}_first_vs_best']:+.1f})"
+            line += f" {r[f'{family}_average']:.4g} ({r[f'{family}_first']:.4g}), {versus} |"
+        lines.append(line)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("summaries", nargs="+", help="LABEL=path/to/summary_TAG.csv")
     parser.add_argument("--family", choices=("kronecker", "diagonal"), default="kronecker")
+    parser.add_argument("--cells", help="comma-separated cells: a table of those cells instead of the targets")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     columns = []
@@ -79,7 +103,7 @@ def main() -> None:
             parser.error(f"{path} holds both halves of the grid ({', '.join(halves)}): one column per half, from a "
                          "summary of one --half")
         columns.append((label, rows))
-    lines = table(columns, args.family)
+    lines = (cells_table(columns, args.family, args.cells.split(",")) if args.cells else table(columns, args.family))
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

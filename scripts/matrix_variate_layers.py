@@ -1,7 +1,8 @@
 """The matrix-variate family on more layers (session 52): `FOOVB(model)` put a diagonal posterior on every
-nn.Conv1d before and now a matrix-variate one; recurrent layers stay diagonal under `FOOVB(model)` and get one
-matrix-variate block per weight matrix under `FOOVB(model, "kronecker")`. Both families of those layers, on streams
-and models that the robustness grid does not hold, against SGD and Adam at their best of three learning rates.
+nn.Conv1d before and now a matrix-variate one; recurrent layers get one matrix-variate block per weight matrix under
+`FOOVB(model, "kronecker")` and, since session 55, under `FOOVB(model)` (diagonal before). Both families of those
+layers, on streams and models that the robustness grid does not hold, against SGD and Adam at their best of three
+learning rates.
 
 Models (`--model`):
 * `conv1d`: an MNIST digit read as a sequence of 28 rows (28 channels, 28 steps): Conv1d(28, 32, 5, stride 2), ReLU,
@@ -14,8 +15,8 @@ Models (`--model`):
 The streams, batch sizes, examples per task, losses and metrics are the robustness grid's
 (`benchmarks/robustness_grid.py`: permuted, rotated, Split MNIST, i.i.d.); every learner of a cell and seed starts
 from the same weights and batches. Learners: `matrix_variate` (conv1d: `FOOVB(model)`; gru, lstm: `FOOVB(model,
-"kronecker")`, the same as `FOOVB(model)` with matrix-variate recurrent layers), `diagonal_before` (the model's
-Conv1d or recurrent layers diagonal: conv1d, `FOOVB(model)` before session 52; gru, lstm: `FOOVB(model)`; only the
+"kronecker")`, the same as `FOOVB(model)` since session 55), `diagonal_before` (the model's
+Conv1d or recurrent layers diagonal: conv1d, `FOOVB(model)` before session 52; gru, lstm: before session 55; only the
 family of those layers differs), `--matrices ih` (recurrent layers: only the input matrices weight_ih
 matrix-variate, a candidate not kept), and the grid's baselines. Prints per cell the average accuracy (%) over tasks
 and the first task's, and the FOO-VB rows minus the best baseline; the table also gives the first task as learned
@@ -103,7 +104,7 @@ MODELS = {"conv1d": (RowConv, nn.Conv1d), "gru": (grid.RowGRU, nn.RNNBase), "lst
 def family(layer: type[nn.Module], learner: str, matrices: str) -> Iterator[None]:
     """`priors.weight_matrices` as the learner needs it: `diagonal_before` none for `layer`, `--matrices ih` only
     the recurrent input matrices; the library's otherwise."""
-    library, auto = priors.weight_matrices, priors.auto_matrix_variate
+    library = priors.weight_matrices
 
     def chosen(module: nn.Module, direct: list) -> list:
         pairs = library(module, direct)
@@ -115,13 +116,10 @@ def family(layer: type[nn.Module], learner: str, matrices: str) -> Iterator[None
         return [pair for pair in pairs if matrices == "all" or names[id(pair[0])].startswith("weight_ih")]
 
     priors.weight_matrices = chosen
-    if layer is nn.RNNBase:  # "auto" with the recurrent matrices: posterior="kronecker" on these models
-        priors.auto_matrix_variate = lambda module, matrices: all(
-            priors.affordable_matrix_variate(weight, bias) for weight, bias in matrices)
     try:
         yield
     finally:
-        priors.weight_matrices, priors.auto_matrix_variate = library, auto
+        priors.weight_matrices = library
 
 
 def run(model: str, cell: str, learner: str, seed: int, examples: int, matrices: str) -> dict:
@@ -159,10 +157,11 @@ def main() -> None:
                   record["examples"])] = record
     args.out.parent.mkdir(parents=True, exist_ok=True)
     recurrent = MODELS[args.model][1] is nn.RNNBase
-    mine_label = (('`FOOVB(model, "kronecker")`' if recurrent else "`FOOVB(model)`")
-                  + f", {args.model} matrix-variate" + (" (weight_ih only)" if args.matrices == "ih" else ""))
-    before_label = ("`FOOVB(model)`, recurrent layers diagonal" if recurrent else "the same, Conv1d diagonal (before)"
-                    if args.model == "conv1d" else f"the same, {MODELS[args.model][1].__name__} diagonal")
+    mine_label = ("`FOOVB(model)`" + f", {args.model} matrix-variate"
+                  + (" (weight_ih only)" if args.matrices == "ih" else ""))
+    before_label = ("`FOOVB(model)` before session 55, recurrent layers diagonal" if recurrent else
+                    "the same, Conv1d diagonal (before)" if args.model == "conv1d" else
+                    f"the same, {MODELS[args.model][1].__name__} diagonal")
     table = [f"| cell | best baseline: average (first task) | {mine_label}: average (first task; as learned), vs "
              f"the best baseline | {before_label}: average (first task; as learned), vs the best baseline |",
              "|---|---|---|---|"]

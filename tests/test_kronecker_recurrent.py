@@ -1,4 +1,4 @@
-"""The matrix-variate family on recurrent layers (posterior="kronecker", session 52; "auto" keeps them diagonal):
+"""The matrix-variate family on recurrent layers (posterior="kronecker", session 52; "auto" since session 55):
 one block per weight matrix with its bias (weight_ih_l0 with bias_ih_l0, weight_hh_l0 with bias_hh_l0, an LSTM's
 projection alone), and the update of Algorithm 3 on them against a direct computation from each sample's gradients
 (autograd at the sampled weights, rebuilt from the step's noise)."""
@@ -53,9 +53,23 @@ def test_every_weight_matrix_of_a_recurrent_layer_is_a_matrix_variate_block(kind
     assert sorted(names for family, names in got if family == "kronecker") == sorted(
         matrices + [["head.weight", "head.bias"]])
     assert all(family == "kronecker" for family, _ in got)
-    auto = families(model, FOOVB(model))  # "auto": the recurrent layer diagonal, one block per tensor
-    assert auto == [("diagonal", [name]) for name, _ in model.rnn.named_parameters(prefix="rnn")] + [
-        ("kronecker", ["head.weight", "head.bias"])]
+    assert families(model, FOOVB(model)) == got  # "auto" too since session 55 (the recurrent layer diagonal before)
+
+
+def test_a_state_dict_saved_when_auto_made_recurrent_layers_diagonal_says_so(monkeypatch):
+    """FOOVB(model) made recurrent layers diagonal before session 55: its state dicts are refused with the reason."""
+    from foovb import priors
+
+    torch.manual_seed(0)
+    model = Reader("GRU")
+    auto = priors.auto_matrix_variate
+    with monkeypatch.context() as patch:
+        patch.setattr(priors, "auto_matrix_variate", lambda module, matrices: (
+            not isinstance(module, nn.RNNBase) and auto(module, matrices)))
+        saved = FOOVB(model).state_dict()
+    with pytest.raises(ValueError, match=r"holds a diagonal posterior where this FOOVB keeps the kronecker posterior "
+                                         r"of parameter 0 \('rnn.weight_ih_l0'.*nn.RNN / nn.GRU / nn.LSTM layers"):
+        FOOVB(model).load_state_dict(saved)
 
 
 def test_a_frozen_recurrent_weight_leaves_its_bias_diagonal_and_a_frozen_bias_is_refused():
@@ -93,7 +107,7 @@ def test_cells_are_matrix_variate_and_weight_normed_layers_diagonal():
     cell = nn.GRUCell(3, 4)
     assert families(cell, FOOVB(cell, "kronecker")) == [("kronecker", ["weight_ih", "bias_ih"]),
                                                          ("kronecker", ["weight_hh", "bias_hh"])]
-    assert {family for family, _ in families(cell, FOOVB(cell))} == {"diagonal"}  # "auto"
+    assert families(cell, FOOVB(cell)) == families(cell, FOOVB(cell, "kronecker"))  # "auto" (since session 55)
     plain = nn.RNNCell(3, 4, bias=False)  # (the whole cell went diagonal: its missing biases read as computed)
     assert families(plain, FOOVB(plain, "kronecker")) == [("kronecker", ["weight_ih"]), ("kronecker", ["weight_hh"])]
     with warnings.catch_warnings():  # torch's deprecation of weight_norm (still the form users have)

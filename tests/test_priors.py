@@ -99,10 +99,11 @@ def test_norm_layers_take_the_paper_sigma_init_and_convolutions_their_own():
 
 
 def test_the_matrix_variate_fallback_blocks_use_the_per_layer_rule():
-    lstm_model = nn.LSTM(8, 5)
-    opt = FOOVB(lstm_model)  # "auto", the kronecker family's settings: nn.LSTM's parameters fall back to diagonal
-    std = opt.posterior(lstm_model.weight_hh_l0).std  # (20, 5): fan_in 5, fan_out 20
-    torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 / 25)))
+    wide = nn.Linear(5, 1100)  # "auto", the kronecker family's settings: a layer over 1,024 wide falls back to diagonal
+    opt = FOOVB(wide)  # (an nn.LSTM did before session 55, when "auto" kept recurrent layers diagonal)
+    assert [block.family for block in opt.blocks] == ["diagonal", "diagonal"]
+    std = opt.posterior(wide.weight).std  # (1100, 5): fan_in 5, fan_out 1100
+    torch.testing.assert_close(std, torch.full_like(std, math.sqrt(2 / 1105)))
 
 
 def test_one_number_or_the_paper_preset_still_gives_one_std_everywhere():
