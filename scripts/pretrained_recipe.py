@@ -8,7 +8,7 @@ Two synthetic tasks (a 20-64-64-2 MLP; task B: other inputs, the same rule, perm
 examples each), pretrained on A with Adam, then trained on B by Adam (lr 1e-3), by FOOVB(model), and by FOOVB(model)
 after that pass (`--pass-steps`: its lengths in steps of 64, 47 being one epoch of A); task A's and B's test accuracy
 after B, per seed and their mean, and task A's after B's first and second steps. `--data mnist` (session 55, a user's
-trial): a 784-200-200-10 MLP, A MNIST, B MNIST rotated by 90 degrees (2,000 test images each); `--data mnist-same`:
+trial): a 784-200-200-10 MLP, A MNIST, B MNIST upside down (2,000 test images each); `--data mnist-same`:
 B is MNIST again (more of the data the model was pretrained on). `--settings`: FOOVB's keyword arguments (JSON).
 
     python scripts/pretrained_recipe.py [--seeds 0,1,2] [--steps 400] [--pass-steps 47,400] [--data synthetic]
@@ -47,15 +47,15 @@ def tasks(seed: int) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
 
 
 def mnist_tasks(same: bool) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
-    """A: MNIST (flattened, standardised), B: the same digits rotated by 90 degrees, or MNIST again (`same`)."""
+    """A: MNIST (flattened, standardised), B: the same digits upside down (rows reversed), or MNIST again (`same`)."""
     from foovb_suite.data.datasets import load_dataset
 
     data = load_dataset("mnist", None)
     x, x_test = ((images.float() / 255 - 0.1307) / 0.3081 for images in (data.train_images, data.test_images[:2000]))
     y, y_test = data.train_labels, data.test_labels[:2000]
-    rotated = (x, x_test) if same else (x.rot90(1, (1, 2)), x_test.rot90(1, (1, 2)))
+    flipped = (x, x_test) if same else (x.flip(-2), x_test.flip(-2))
     return {"A": (x.flatten(1), y, x_test.flatten(1), y_test),
-            "B": (rotated[0].flatten(1), y, rotated[1].flatten(1), y_test)}
+            "B": (flipped[0].flatten(1), y, flipped[1].flatten(1), y_test)}
 
 
 def make_model(data: str) -> nn.Module:
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--settings", default="{}", help="FOOVB's keyword arguments, JSON")
     args = parser.parse_args()
     settings = json.loads(args.settings)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (task A is reported after B's first two steps)")
     torch.set_num_threads(1)
     results: dict[str, list[tuple[float, float, float, float]]] = {}
     for seed in (int(s) for s in args.seeds.split(",")):

@@ -56,6 +56,15 @@ def test_every_weight_matrix_of_a_recurrent_layer_is_a_matrix_variate_block(kind
     assert families(model, FOOVB(model)) == got  # "auto" too since session 55 (the recurrent layer diagonal before)
 
 
+def test_auto_keeps_a_recurrent_layer_diagonal_where_one_of_its_matrices_is_over_1024_wide():
+    """An LSTM's weight_hh has 4 x hidden rows: 256 units are matrix-variate under "auto", 257 leave the whole layer
+    diagonal (as a Linear over 1,024 wide); "kronecker" takes any width."""
+    for hidden, family in ((256, "kronecker"), (257, "diagonal")):
+        model = nn.LSTM(3, hidden)
+        assert {block.family for block in FOOVB(model).blocks} == {family}
+    assert {block.family for block in FOOVB(nn.LSTM(3, 257), "kronecker").blocks} == {"kronecker"}
+
+
 def test_a_state_dict_saved_when_auto_made_recurrent_layers_diagonal_says_so(monkeypatch):
     """FOOVB(model) made recurrent layers diagonal before session 55: its state dicts are refused with the reason."""
     from foovb import priors

@@ -124,8 +124,9 @@ class FOOVB(Persistence):
 
     Args (in full: `foovb.presets`' docstring and docs/api.md):
         model: its parameters are the prior mean (init="keep") and hold the posterior mean after every step.
-        posterior: "auto" (matrix-variate for float nn.Linear / nn.Conv1d-3d with at most 1024 inputs and outputs,
-            diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker" (Algorithm 3) or "full" (Algorithm 2).
+        posterior: "auto" (matrix-variate for float nn.Linear / nn.Conv1d-3d and recurrent layers' weight matrices
+            with at most 1024 inputs and outputs, diagonal elsewhere), "diagonal" (Algorithm 4), "kronecker"
+            (Algorithm 3) or "full" (Algorithm 2).
         mc_samples: K (the paper: 10). preset: "recommended" or "paper", the source of the settings left None.
         std_init, alpha, init: the prior (`foovb.priors`). mean_step, cov_step: eta (param_groups[0]["lr"]) and beta.
         antithetic, std_growth, cov_momentum, implicit_mean, curvature_damping, diagonal_output_factor,
@@ -444,13 +445,12 @@ class FOOVB(Persistence):
         statistics are left as the step found them; False where the step has no closure or the closure raises."""
         if pending.recheck is None:
             return False
-        try:
-            grads = pending.run_at_mean()
+        try:  # element-wise: a norm of finite gradients overflows where the mean has diverged (1e20 and more)
+            return not all(bool(torch.isfinite(grad).all()) for grad in pending.run_at_mean())
         except Exception:  # noqa: BLE001 - the refused update's error is the one to report
             return False
         finally:
             pending.running.restore()
-        return not torch.stack(torch._foreach_norm(grads)).sum().isfinite()
 
     def _finish_step(self) -> Tensor:
         """UPDATE from the statistics of the step's K samples; batch-norm statistics as the new mean's."""
@@ -477,7 +477,8 @@ class FOOVB(Persistence):
                 advice = divergence_advice(self, pending.grad_scale)
                 if self._nonfinite_at_mean(pending):  # at step 0 the mean is the user's model as it was given
                     advice = self._NONFINITE_AT_MEAN + ("" if not self.steps_taken else
-                                                        f". If they are finite, the mean itself went too far: {advice}")
+                                                        f". If the batch is finite, the mean itself went too far: "
+                                                        f"{advice}")
                 raise FloatingPointError(f"{error}. {advice}") from error
             raise
         self._progress.first_mean_norms.update({block: float(block.state["mean"].norm()) for block in first})

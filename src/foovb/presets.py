@@ -4,8 +4,9 @@ reads, which are fixed at construction, and their validation (a ValueError namin
 The arguments of FOOVB:
     model: the network. Its parameters are the prior mean (init="keep") or are re-initialised
         (init="paper"); after every step they hold the posterior mean.
-    posterior: "auto" (the default): "kronecker" for every nn.Linear / nn.Conv1d-3d in float32 or float64 with at
-        most AUTO_MAX_FEATURES (1024) inputs (fan_in) and outputs, "diagonal" for every other tensor, with the
+    posterior: "auto" (the default): "kronecker" for every nn.Linear / nn.Conv1d-3d and every recurrent layer (its
+        weight matrices; since session 55) in float32 or float64 with at most AUTO_MAX_FEATURES (1024) inputs
+        (fan_in) and outputs, "diagonal" for every other tensor, with the
         kronecker family's settings (on the robustness grid the matrix-variate family beat the diagonal one in most
         cells: docs/results.md, "A default that holds");
         "diagonal" (Algorithm 4, every parameter tensor), "kronecker" (matrix-variate,
@@ -345,8 +346,8 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
         raise ValueError(
             f"the state dict holds a {saved_family} posterior where this FOOVB keeps {name}: it was saved with "
             "another `posterior`, or by a foovb whose FOOVB(model) chose another family for the layer (before "
-            "2026-11-29 it made nn.Conv1d / nn.Conv3d diagonal, and nn.RNN / nn.GRU / nn.LSTM layers until a later "
-            "change: docs/CHANGELOG.md); build the optimizer with the "
+            "2026-11-29 it made nn.Conv1d / nn.Conv3d diagonal, and nn.RNN / nn.GRU / nn.LSTM layers and their cells "
+            "until session 55, the same day: docs/CHANGELOG.md); build the optimizer with the "
             "posterior it was saved with, resume with the foovb that saved it, or load only the model's weights into "
             "a new FOOVB (its covariance starts from the prior); nothing was loaded")
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
