@@ -346,8 +346,9 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
         raise ValueError(
             f"the state dict holds a {saved_family} posterior where this FOOVB keeps {name}: it was saved with "
             "another `posterior`, or by a foovb whose FOOVB(model) chose another family for the layer (before "
-            "2026-11-29 it made nn.Conv1d / nn.Conv3d diagonal, and nn.RNN / nn.GRU / nn.LSTM layers and their cells "
-            "until session 55, the same day: docs/CHANGELOG.md); build the optimizer with the "
+            "2026-11-29 it made nn.Conv1d / nn.Conv3d diagonal, and, before the entry 'FOOVB(model) makes recurrent "
+            "layers matrix-variate', nn.RNN / nn.GRU / nn.LSTM layers and their cells: docs/CHANGELOG.md); build the "
+            "optimizer with the "
             "posterior it was saved with, resume with the foovb that saved it, or load only the model's weights into "
             "a new FOOVB (its covariance starts from the prior); nothing was loaded")
     own_state = {key: value for key, value in block.state.items() if key not in block.optional_state}
