@@ -136,6 +136,46 @@ def evaluate(model, kind, x, y):
     return F.mse_loss(out.squeeze(1), y).item()
 
 
+def train_on_stream(model, opt, foovb, kind, data, orders, batch, loss_of=None, metric_of=None):
+    """Train `model` with `opt` (FOOVB's closure step where `foovb`) on the tasks of `data` in the batch orders
+    `orders`; after each task every task's test metric: (R[after task k][task j], step times, the error that stopped
+    it or None). `loss_of(kind, out, y)` and `metric_of(model, kind, x, y)`: this script's loss_fn and evaluate by
+    default (scripts/recurrent_streams_more.py passes its own)."""
+    loss_of, metric_of = loss_of or loss_fn, metric_of or evaluate
+    R = [[None] * NTASK for _ in range(NTASK)]
+    times, err = [], None
+    try:
+        for k in range(NTASK):
+            (xtr, ytr), _ = data[k]
+            for perm in orders[k]:
+                for i in range(0, len(perm), batch):
+                    b = perm[i:i + batch]
+                    xb, yb = xtr[b], ytr[b]
+                    t0 = time.perf_counter()
+                    if foovb:
+                        def closure(xb=xb, yb=yb):
+                            loss = loss_of(kind, model(xb), yb)
+                            loss.backward()
+                            return loss
+                        loss = opt.step(closure)
+                    else:
+                        opt.zero_grad()
+                        loss = loss_of(kind, model(xb), yb)
+                        loss.backward()
+                        opt.step()
+                    times.append(time.perf_counter() - t0)
+                    if not torch.isfinite(torch.as_tensor(loss)).all():
+                        raise FloatingPointError(f"non-finite loss {float(loss)} at task {k} step {len(times)}")
+            for j in range(NTASK):
+                R[k][j] = metric_of(model, kind, *data[j][1])
+            if any(not math.isfinite(v) for v in R[k]):
+                raise FloatingPointError(f"non-finite test metric after task {k}: {R[k]}")
+    except Exception as e:  # diverged: record and continue
+        err = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    return R, times, err
+
+
 def run_learner(spec, learner, seed, data, orders, batch):
     kind = spec["task"]
     torch.manual_seed(seed)
@@ -153,37 +193,7 @@ def run_learner(spec, learner, seed, data, orders, batch):
     else:
         opt = torch.optim.Adam(model.parameters(), lr=float(learner.split("@")[1]))
     foovb = learner in ("A", "B")
-    R = [[None] * NTASK for _ in range(NTASK)]
-    times, err = [], None
-    try:
-        for k in range(NTASK):
-            (xtr, ytr), _ = data[k]
-            for perm in orders[k]:
-                for i in range(0, len(perm), batch):
-                    b = perm[i:i + batch]
-                    xb, yb = xtr[b], ytr[b]
-                    t0 = time.perf_counter()
-                    if foovb:
-                        def closure(xb=xb, yb=yb):
-                            loss = loss_fn(kind, model(xb), yb)
-                            loss.backward()
-                            return loss
-                        loss = opt.step(closure)
-                    else:
-                        opt.zero_grad()
-                        loss = loss_fn(kind, model(xb), yb)
-                        loss.backward()
-                        opt.step()
-                    times.append(time.perf_counter() - t0)
-                    if not torch.isfinite(torch.as_tensor(loss)).all():
-                        raise FloatingPointError(f"non-finite loss {float(loss)} at task {k} step {len(times)}")
-            for j in range(NTASK):
-                R[k][j] = evaluate(model, kind, *data[j][1])
-            if any(not math.isfinite(v) for v in R[k]):
-                raise FloatingPointError(f"non-finite test metric after task {k}: {R[k]}")
-    except Exception as e:  # diverged: record and continue
-        err = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
+    R, times, err = train_on_stream(model, opt, foovb, kind, data, orders, batch)
     final = R[NTASK - 1]
     return dict(learner=learner, seed=seed, diverged=err, R=R,
                 final=final, average=(sum(final) / NTASK if err is None else None),

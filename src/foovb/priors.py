@@ -150,7 +150,9 @@ def auto_matrix_variate(module: nn.Module, matrices: list[tuple[nn.Parameter, nn
     (an LSTM counting tokens 0.577 against 0.407, a 2-layer bidirectional LSTM 0.956 against 0.832, a GRU's drifting
     AR(2) error 0.708 against 0.793; 3 seeds), and lost on a GRU sorting sines into bands (0.430 against 0.513: its
     later tasks learned less) and on i.i.d. rows at batch 16 (3.1 and 3.7 points, within 2.5 of the best baseline);
-    a step 1.1-1.6x the diagonal one's there (docs/results/matrix_variate_layers.md). Session 52, with the step prior
+    a step 1.1-1.6x the diagonal one's there. Checked after the change on 5 more streams: better on 3, level with Adam
+    on a GRU regressor (where diagonal layers blew up at 2 of 3 seeds), worse on a 2-layer LSTM that it barely trained
+    (docs/results/matrix_variate_layers.md). Session 52, with the step prior
     16, had kept them diagonal (i.i.d. rows lost 3.4-4.0 points, a bidirectional LSTM 9 on one stream)."""
     return all(affordable_matrix_variate(weight, bias) for weight, bias in matrices)
 
