@@ -229,22 +229,38 @@ def summary_table(lines: list[str]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def main():
-    torch.set_num_threads(1)
-    if sys.argv[1:2] == ["--table"]:  # python scripts/recurrent_streams.py --table OUT.jsonl > TABLE.md
-        with open(sys.argv[2]) as file:
-            print(summary_table(file.readlines()), end="")
-        return
+def run_recorded(run, spec, learner, seed, data, orders, batch):
+    """`run(spec, learner, seed, data, orders, batch)`'s record with its wall time ("wall_s"), and the texts of the
+    warnings it raised."""
+    t0 = time.time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = run(spec, learner, seed, data, orders, batch)
+    record["wall_s"] = time.time() - t0
+    return record, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def stream_parser(epochs: int, learners: str) -> argparse.ArgumentParser:
+    """The arguments of this script and of scripts/recurrent_streams_more.py."""
     ap = argparse.ArgumentParser()
     ap.add_argument("stream", type=int)
     ap.add_argument("seeds")
     ap.add_argument("out")
     ap.add_argument("--n-train", type=int, default=3000)
     ap.add_argument("--n-test", type=int, default=1000)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=epochs)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--learners", default="A,B,adam@3e-4,adam@1e-3,adam@3e-3")
-    a = ap.parse_args()
+    ap.add_argument("--learners", default=learners)
+    return ap
+
+
+def main():
+    torch.set_num_threads(1)
+    if sys.argv[1:2] == ["--table"]:  # python scripts/recurrent_streams.py --table OUT.jsonl > TABLE.md
+        with open(sys.argv[2]) as file:
+            print(summary_table(file.readlines()), end="")
+        return
+    a = stream_parser(epochs=2, learners="A,B,adam@3e-4,adam@1e-3,adam@3e-3").parse_args()
     spec = STREAMS[a.stream]
     for seed in [int(s) for s in a.seeds.split(",")]:
         g = torch.Generator().manual_seed(1000 * a.stream + seed)
@@ -254,12 +270,8 @@ def main():
         if spec["task"] == "cls":
             print("label balance", [torch.bincount(d[0][1], minlength=4).tolist() for d in data], flush=True)
         for learner in a.learners.split(","):
-            t0 = time.time()
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                r = run_learner(spec, learner, seed, data, orders, a.batch)
-            r.update(stream=a.stream, name=spec["name"], wall_s=time.time() - t0,
-                     warnings=sorted({str(x.message)[:200] for x in w}),
+            r, caught = run_recorded(run_learner, spec, learner, seed, data, orders, a.batch)
+            r.update(stream=a.stream, name=spec["name"], warnings=sorted({text[:200] for text in caught}),
                      n_train=a.n_train, n_test=a.n_test, epochs=a.epochs)
             print(json.dumps({k: v for k, v in r.items() if k != "warnings"}), flush=True)
             with open(a.out, "a") as f:

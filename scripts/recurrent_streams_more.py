@@ -30,12 +30,10 @@ so recurrent layers stay diagonal (the trick of scripts/recurrent_streams.py, le
 Session 55's runs: streams 1, 3, 4 and 5 with `0,1,2 OUT --epochs 2`, stream 2 with `--n-train 2000` too, and stream 5
 again with `--dropout 0 --learners NEW,OLD` on seeds 0,1 (docs/results/matrix_variate_layers/recurrent_streams_s55b/).
 """
-import argparse
 import json
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -46,7 +44,7 @@ from foovb import FOOVB, priors
 from foovb.posteriors import KroneckerBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recurrent_streams import NTASK, train_on_stream  # noqa: E402  (the training loop, shared)
+from recurrent_streams import NTASK, run_recorded, stream_parser, train_on_stream  # noqa: E402  (the training loop, shared)
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -315,15 +313,7 @@ def run_learner(spec, learner, seed, data, orders, batch):
 
 def main():
     torch.set_num_threads(1)
-    ap = argparse.ArgumentParser()
-    ap.add_argument("stream", type=int)
-    ap.add_argument("seeds")
-    ap.add_argument("out")
-    ap.add_argument("--n-train", type=int, default=3000)
-    ap.add_argument("--n-test", type=int, default=1000)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--learners", default="NEW,OLD,adam@3e-4,adam@1e-3,adam@3e-3")
+    ap = stream_parser(epochs=1, learners="NEW,OLD,adam@3e-4,adam@1e-3,adam@3e-3")
     ap.add_argument("--dropout", type=float, default=0.2, help="stream 5: dropout between the LSTM layers")
     a = ap.parse_args()
     global DEEP_DROPOUT
@@ -336,12 +326,8 @@ def main():
         go = torch.Generator().manual_seed(77 + 100 * a.stream + seed)
         orders = [[torch.randperm(a.n_train, generator=go) for _ in range(a.epochs)] for _ in range(NTASK)]
         for learner in a.learners.split(","):
-            t0 = time.time()
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                r = run_learner(spec, learner, seed, data, orders, a.batch)
-            r.update(stream=a.stream, name=spec["name"], wall_s=time.time() - t0,
-                     warnings=sorted({f"{x.category.__name__}: {str(x.message)[:300]}" for x in w}),
+            r, caught = run_recorded(run_learner, spec, learner, seed, data, orders, a.batch)
+            r.update(stream=a.stream, name=spec["name"], warnings=sorted({text[:300] for text in caught}),
                      n_train=a.n_train, n_test=a.n_test, epochs=a.epochs, batch=a.batch,
                      dropout=(a.dropout if a.stream == 5 else None))
             print(json.dumps({k: v for k, v in r.items() if k not in ("R",)}), flush=True)
