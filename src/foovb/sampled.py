@@ -88,6 +88,7 @@ class _Layer:
         self.module, self.blocks, self.noises, self.c, self.r = module, blocks, noises, c, r
         self.calls = calls  # the layers called so far in this pass, shared by all layers of the network
         self.factored = isinstance(module, nn.Linear) and isinstance(blocks[0], KroneckerBlock)
+        self.conv = next((conv for kind, conv in CONVOLUTIONS.items() if isinstance(module, kind)), None)
         self.saved: dict[str, Tensor] = {}
         if not self.factored:
             values = {}
@@ -141,8 +142,7 @@ class _Layer:
 
     def _conv(self, x: Tensor, shared: bool) -> Tensor:
         c, r, m = self.c, self.r, self.module
-        w, b = self.weight.flatten(0, 1), None if self.bias is None else self.bias.flatten()
-        conv = CONVOLUTIONS[next(kind for kind in CONVOLUTIONS if isinstance(m, kind))]
+        w, b, conv = self.weight.flatten(0, 1), None if self.bias is None else self.bias.flatten(), self.conv
         if shared and m.groups == 1:
             y = conv(x, w, b, m.stride, m.padding, m.dilation, 1)
         else:
