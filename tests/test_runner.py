@@ -1081,6 +1081,29 @@ def test_resume_refuses_a_model_factory_that_builds_another_model(example_dir, m
         assert (example_dir / "r" / "summary.json").is_file()
 
 
+def test_resume_warns_when_a_file_defining_the_models_class_changed(example_dir, monkeypatch, capsys) -> None:
+    """The model's class lives in a module the factory's file imports, and its forward (which the printout does not
+    show) is edited before --resume: only the factory's file was hashed before session 56, so the run resumed in
+    silence on another network. Now the warning names that module's file."""
+    layers = example_dir / "my_layers.py"
+    layers.write_text("import torch\nfrom torch import nn\n\n\nclass Scaled(nn.Module):\n"
+                      "    def forward(self, x):\n        return torch.relu(x)\n")
+    module = example_dir / "two_tasks.py"
+    old = "nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),"
+    assert old in module.read_text()
+    module.write_text("from my_layers import Scaled\n" + module.read_text().replace(
+        old, old.replace("nn.ReLU()", "Scaled()")))
+    _interrupted_then_edited(example_dir, monkeypatch, "Scaled", "Scaled")  # the factory's file unchanged
+    layers.write_text(layers.read_text().replace("torch.relu(x)", "torch.tanh(x)"))
+    del sys.modules["my_layers"]
+    code = main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"foovb: warning: --resume: {layers.resolve()} (a class of the model) changed since checkpoint.pt was " \
+           "written; its modules are the same" in err, err
+    assert str(module.resolve()) not in err, err
+
+
 @pytest.mark.parametrize("edit", ["data", "model"])
 def test_compare_does_not_average_one_config_trained_on_other_data(example_dir, monkeypatch, capsys, edit) -> None:
     """The factory's module edited between two seeds of one config: compare averaged them as one experiment's seeds

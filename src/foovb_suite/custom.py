@@ -205,23 +205,56 @@ def _refuse_classes_only_tested(tasks: InMemoryTasks, scenario: ScenarioConfig) 
                 "a label out of range? If those classes are meant, set scenario.num_classes")
 
 
-def model_record(model: ModelConfig, module: nn.Module) -> dict[str, str | None] | None:
+def model_record(model: ModelConfig, module: nn.Module) -> dict[str, Any] | None:
     """What a run records of its custom model, for --resume (`resume.run_identity`): the SHA-256 of its modules as
-    printed (`repr`: layers, sizes, activation modules) and of the source file that holds model.factory (whose
-    forward may compute what the printout does not show, e.g. F.relu; only that file: a forward defined in a module
-    it imports is not seen), and that file (None where it cannot be read); None for a built-in model, which the config
-    determines."""
+    printed (`repr`: layers, sizes, activation modules); of the source file that holds model.factory and of the user's
+    files that define the classes of its modules and their bases (`_model_files`; a forward may compute what the
+    printout does not show, e.g. F.relu), one hash of them all ("source": the factory file's own where no other file
+    defines a class) and one per file ("sources", by path); and the factory's file (None where it cannot be read).
+    None for a built-in model, which the config determines."""
     if model.kind != "custom":
         return None
     with _importable():
         function = _import_factory("model", model.factory)
     try:
         source = inspect.getsourcefile(inspect.unwrap(function))
-        text = Path(source).read_bytes() if source else b""
-    except (TypeError, OSError):  # a built-in or a file that is gone: the modules are still compared
-        source, text = None, b""
-    return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(), "file": source,
-            "source": hashlib.sha256(text).hexdigest()}
+    except TypeError:  # a built-in: the modules are still compared
+        source = None
+    files = {path: _file_hash(path) for path in _model_files(module, source)}
+    others = sorted(path for path in files if path != source)
+    combined = hashlib.sha256(_read(source) if source else b"")
+    for path in others:  # the factory file's own hash where the classes are all defined there (as before session 56)
+        combined.update(f"\0{path}\0{files[path]}".encode())
+    return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(),
+            "file": source if source and Path(source).is_file() else None,
+            "source": combined.hexdigest(), "sources": files}
+
+
+def _model_files(module: nn.Module, factory_file: str | None) -> list[str]:
+    """The user's source files (not Python's, an installed package's or foovb's) that define the classes of `module`'s
+    submodules and their base classes, the factory's file first."""
+    files = [factory_file] if factory_file else []
+    for cls in {type(submodule) for submodule in module.modules()}:
+        for base in inspect.getmro(cls):
+            try:
+                path = inspect.getsourcefile(base)
+            except TypeError:  # a built-in class
+                continue
+            if path and path not in files and not _library_file(path):
+                files.append(path)
+    return files
+
+
+def _read(path: str) -> bytes:
+    """The bytes of a source file, b"" where it cannot be read (deleted since the import)."""
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _file_hash(path: str) -> str:
+    return hashlib.sha256(_read(path)).hexdigest()
 
 
 def custom_model(model: ModelConfig, input_shape: Sequence[int], num_outputs: int, device: torch.device) -> nn.Module:

@@ -63,7 +63,7 @@ def check_config_unchanged(run_dir: Path, resolved: dict[str, Any]) -> None:
 
 
 def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | None, computed: dict[str, Any],
-                 data: str | None, scenario, model: dict[str, str | None] | None = None, *, warn: bool = True) -> str:
+                 data: str | None, scenario, model: dict[str, Any] | None = None, *, warn: bool = True) -> str:
     """The identity of the run in `run_dir`: a new one for a new run; on --resume, the one run.json holds, after
     checking that the checkpoint `state` belongs to it: the same identity, the same computed config as config.yaml
     and the command line (`computed`), the same data (`data`: the custom scenario's digest), the same custom model
@@ -107,11 +107,12 @@ def run_identity(run_dir: Path, checkpoint_path: Path, state: dict[str, Any] | N
     return recorded
 
 
-def _check_model(recorded: dict[str, str | None] | None, model: dict[str, str | None] | None,
+def _check_model(recorded: dict[str, Any] | None, model: dict[str, Any] | None,
                  computed: dict[str, Any], checkpoint_path: Path, warn: bool) -> None:
     """--resume of a custom model: the factory must build the modules it built when the run started (an error), from
-    the same source file (a warning: the printout does not show a forward's functions). Checkpoints written before
-    session 54 record no model: not checked."""
+    the same source files (a warning naming them: the printout does not show a forward's functions; the files that
+    define its classes are recorded since session 56). Checkpoints written before session 54 record no model: not
+    checked."""
     if recorded is None or model is None:
         return
     factory = computed.get("model", {}).get("factory")
@@ -121,10 +122,21 @@ def _check_model(recorded: dict[str, str | None] | None, model: dict[str, str | 
                               f"checkpoint's weights would be trained on by another network); restore it, or start "
                               "a new run")
     if recorded["source"] != model["source"] and warn:
-        where = model["file"] or recorded["file"] or "the file"
-        print(f"foovb: warning: --resume: {where}, which holds model.factory {factory!r}, changed since "
+        print(f"foovb: warning: --resume: {_changed_model_files(recorded, model, factory)} changed since "
               f"{checkpoint_path.name} was written; its modules are the same. If the change alters what the model "
               "computes (a function in its forward), this run mixes two models: start a new run", file=sys.stderr)
+
+
+def _changed_model_files(recorded: dict[str, Any], model: dict[str, Any], factory: str | None) -> str:
+    """The model's source files whose hashes differ, as the warning names them: by path where both records hold
+    one hash per file ("sources", since session 56), else the factory's file."""
+    factory_file = model["file"] or recorded["file"]
+    before, now = recorded.get("sources"), model.get("sources")
+    changed = [path for path in {**before, **now} if before.get(path) != now.get(path)] if before and now else []
+    if not changed or changed == [factory_file]:
+        return f"{factory_file or 'the file'}, which holds model.factory {factory!r},"
+    holds = f"which holds model.factory {factory!r}"
+    return " and ".join(f"{path} ({holds if path == factory_file else 'a class of the model'})" for path in changed)
 
 
 def _config_changes(recorded: dict[str, Any], computed: dict[str, Any], there: str, here: str) -> str:
