@@ -64,6 +64,11 @@ WEIGHT = torch.tensor([0.5, 1.0, 2.0])
     (lambda out: torch.stack([F.cross_entropy(out, Y), out.square().sum()]).sum(), "a .sum() over a stack of values",
      math.nan, math.nan),
     (lambda out: out.square().sum().sqrt(), "SqrtBackward0", math.nan, math.nan),
+    # each row's loss is already its mean over the 3 classes: torch's mean is over the 8 rows (24 before session 56)
+    (lambda out: F.multi_margin_loss(out, Y), "mean", 8, math.nan),
+    (lambda out: F.multilabel_margin_loss(out, torch.stack([Y, torch.full_like(Y, -1), Y], 1)), "mean", 8, math.nan),
+    (lambda out: F.multi_margin_loss(out[0], Y[0]), "mean", 1, math.nan),
+    (lambda out: F.soft_margin_loss(out, torch.ones(8, 3)), "mean", 24, math.nan),  # a mean over the values
 ])
 def test_loss_reduction_is_read_from_the_loss(loss_fn, kind, terms, mean_inside):
     found = loss_reduction_of(loss_fn(mlp()(X)))
@@ -119,6 +124,49 @@ def test_a_mean_loss_takes_the_same_step_as_the_summed_loss(family, detach):
         steps.append(posterior_snapshot(opt))
     for got, want in zip(steps[1], steps[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda out, reduction: F.multi_margin_loss(out, Y, reduction=reduction),
+    lambda out, reduction: F.multilabel_margin_loss(out, torch.stack([Y, torch.full_like(Y, -1), Y], 1),
+                                                    reduction=reduction),
+])
+def test_margin_losses_mean_takes_the_summed_step(loss_fn):
+    """A user's trial (session 56): F.multi_margin_loss's and F.multilabel_margin_loss's mean was read as a mean over
+    the rows' 24 values, while torch averages over the 8 rows (each row's loss is its mean over the classes), so the
+    likelihood was 3 times too strong, silently, and batch_size=8 was refused. Now the mean, the sum and the mean with
+    batch_size=8 take one step."""
+    steps = []
+    for reduction, batch_size in (("sum", None), ("mean", None), ("mean", 8)):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, seed=3, secant_check=False)
+        opt.step(_closure(model, lambda m, r=reduction: loss_fn(m(X), r)), batch_size=batch_size)
+        steps.append(posterior_snapshot(opt))
+    for other in steps[1:]:
+        for got, want in zip(other, steps[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_ctc_losss_mean_is_refused_and_its_sum_is_taken():
+    """F.ctc_loss's mean divides each sequence's loss by its target length before averaging: the batch size times it
+    is no likelihood (it was taken as one, about the target length too weak, silently). Refused, with or without a
+    batch_size, naming reduction='sum'; the sum trains."""
+    steps, lengths = 5, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2])
+    targets = torch.randint(1, 3, (8, 3), generator=torch.Generator().manual_seed(0))
+
+    def ctc(out: torch.Tensor, reduction: str) -> torch.Tensor:
+        log_probs = F.log_softmax(out.repeat(1, steps).view(8, steps, 3), -1).transpose(0, 1)
+        return F.ctc_loss(log_probs, targets, torch.full((8,), steps), lengths, reduction=reduction)
+
+    for batch_size in (None, 8):
+        model = mlp(seed=0)
+        opt = FOOVB(model, "diagonal", 4, seed=3)
+        with pytest.raises(ValueError, match="ctc_loss's reduction='mean'.* use reduction='sum'"):
+            opt.step(_closure(model, lambda m: ctc(m(X), "mean")), batch_size=batch_size)
+        assert all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))
+    model = mlp(seed=0)
+    FOOVB(model, "diagonal", 4, seed=3).step(_closure(model, lambda m: ctc(m(X), "sum")))
+    assert not all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))
 
 
 def test_the_batched_path_reads_the_reduction_too():

@@ -93,6 +93,12 @@ def _inverse(value: float) -> float:
     return 1 / value if value else math.inf
 
 
+_ROW_MEANS = ("MultiMarginLossBackward0", "MultilabelMarginLossBackward0")
+"""Loss functions whose reduction="mean" averages over the input's rows, not its values: each row's loss is the mean
+over its C classes already (F.multi_margin_loss, F.multilabel_margin_loss)."""
+_CTC_MEAN = "F.ctc_loss's reduction='mean'"
+
+
 def _divisor(node: object) -> float | None:
     """The constant a DivBackward node divides by."""
     name = type(node).__name__
@@ -136,17 +142,23 @@ def _read(node: object, depth: int = 0) -> LossReduction:
             return LossReduction(f"a .sum() over a {source[:-9].lower()} of values", math.nan)
         return LossReduction("sum", float(sizes[0]) if sizes else 1.0, values=float(math.prod(sizes)))
     if name.startswith("MeanBackward"):
-        source = type(node.next_functions[0][0]).__name__
-        if source in ("StackBackward0", "CatBackward0"):  # a mean of losses, each over its own terms
-            return LossReduction(f"a .mean() over a {source[:-9].lower()} of values", math.nan)
+        source = node.next_functions[0][0]
+        if type(source).__name__ in ("StackBackward0", "CatBackward0"):  # a mean of losses, each over its own terms
+            return LossReduction(f"a .mean() over a {type(source).__name__[:-9].lower()} of values", math.nan)
+        if type(source).__name__ == "DivBackward0" and "CtcLoss" in type(source.next_functions[0][0]).__name__:
+            return LossReduction(_CTC_MEAN, math.nan)  # each row's loss divided by its target length, then the mean
         return LossReduction("mean", float(math.prod(node._saved_self_sym_sizes)))
     reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum
     if reduction == 2:
         return LossReduction("sum", math.nan)
     if reduction == 1:
         total_weight = getattr(node, "_saved_total_weight", None)  # nll_loss: the sum of the rows' weights
-        return LossReduction("mean", float(total_weight) if total_weight is not None
-                             else float(node._saved_self.numel()))
+        if total_weight is not None:
+            return LossReduction("mean", float(total_weight))
+        values = node._saved_self
+        if name in _ROW_MEANS:  # each row's loss is already divided by its C values: the mean is over the rows
+            return LossReduction("mean", float(values.shape[0]) if values.ndim == 2 else 1.0)
+        return LossReduction("mean", float(values.numel()))
     if name in _COMBINATIONS:
         children = [child for child, _ in node.next_functions]
         parts = [_read(child, depth + 1) for child in children if child is not None]
@@ -202,6 +214,11 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         kind, terms, mean_inside = "AddBackward0", math.nan, terms  # them flattened; else not per-example terms
     if of_one_row and rows == frozenset({1}):  # the per-example loss of a batch of one row, summed or averaged
         kind, terms = of_one_row, 1.0
+    if kind == _CTC_MEAN:  # whatever else is said: no batch_size or loss_reduction turns it into L_n
+        raise ValueError(
+            "the loss is F.ctc_loss's reduction='mean', which divides each sequence's loss by its target length "
+            "before averaging: not a multiple of the batch's summed negative log-likelihood, so no number of terms "
+            "turns it into that; use reduction='sum'")
     if factor == 0:
         raise ValueError("the loss is multiplied by 0: its gradients are zero, and FOO-VB needs those of the "
                          "batch's negative log-likelihood")
