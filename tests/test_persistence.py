@@ -174,13 +174,13 @@ BAD_VALUES = [
     ("diagonal", {}, 0, "std", lambda v: _poke(v, 5, lambda x: -x), NOT_POSITIVE),
     ("diagonal", {}, 0, "std", lambda v: v.to(torch.int64), "is torch.int64, this optimizer keeps torch.float32"),
     ("diagonal", {}, 0, "mean", lambda v: v.to(torch.bool), "is torch.bool, this optimizer keeps torch.float32"),
-    ("diagonal", {}, 0, "mean", lambda v: v.half(), "is torch.float16, this optimizer keeps torch.float32"),
+    ("diagonal", {}, 0, "mean", lambda v: _poke(v.double(), 2, 1e300),
+     "overflows torch.float32 (the parameter's, it is cast to) in 1 of its 24 entries"),
     ("diagonal", {"cov_momentum": 0.9}, 0, "grad_noise_average", lambda v: _poke(v, 0, math.nan), NON_FINITE),
     ("kronecker", {}, 0, "input_sqrt_cov", lambda v: _poke(v, 2, math.nan), NON_FINITE),
     ("kronecker", {}, 2, "output_sqrt_cov", torch.zeros_like, "has 3 zero rows and 3 zero columns"),
     ("kronecker", {}, 0, "input_sqrt_cov", lambda v: v.index_fill(0, torch.tensor([1]), 0.0),
      "has 1 zero rows and 0 zero columns where this optimizer's has none"),
-    ("kronecker", {}, 2, "mean", lambda v: v.double(), "is torch.float64, this optimizer keeps torch.float32"),
     ("full", {}, 0, "sqrt_cov", lambda v: _poke(v, 7, math.inf), NON_FINITE),
 ]
 
@@ -222,6 +222,29 @@ def test_load_state_dict_refuses_bad_values_and_changes_nothing(family, options,
     named = re.escape(f"the {family} posterior of parameter {index} ({name!r}, shape {SHAPES[index]})")
     _refused_load_changes_nothing(opt, model, saved, f"^cannot load {named}: its {key!r} {re.escape(match)}")
     _steps(model, opt, 2, 1)  # still usable
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_state_dict_loads_into_the_model_cast_to_another_dtype(family):
+    """A user's trial (session 56): model.double() after FOOVB(model) is refused with the advice to load a saved state
+    dict into a new FOOVB built after the cast, but the load refused the float32 state ("a state dict is not cast").
+    Floating-point state is cast to the parameters' dtype, as torch's optimizers do: the posterior is the saved one in
+    float64, and training goes on."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, family, 4, seed=0)
+    _steps(model, opt, 0, 2)
+    saved = opt.state_dict()
+    model.double()
+    x, y = mlp_batch(seed=300)
+    with pytest.raises(ValueError, match="load_state_dict a saved one into a new FOOVB built after it"):
+        opt.step(ce_closure(model, x.double(), y))
+    again = FOOVB(model, family, 4, seed=0)
+    again.load_state_dict(saved)
+    for got, want in zip(posterior_snapshot(again), posterior_snapshot(opt), strict=True):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want.double())
+    again.step(ce_closure(model, x.double(), y))
+    assert all(p.dtype == torch.float64 and bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def test_load_state_dict_refuses_a_state_entry_that_is_not_a_dict():

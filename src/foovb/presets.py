@@ -333,8 +333,9 @@ FAMILY_KEYS = {"std": "diagonal", "input_sqrt_cov": "kronecker", "sqrt_cov": "fu
 def check_block_state(block: PosteriorBlock, position: int, saved: dict, required: tuple[str, ...] = (),
                       param_name: str | None = None) -> None:
     """ValueError unless `saved` could be the state of `block` (its first parameter at `position`): every tensor
-    the block keeps (and each optional entry present, or `required`: step_prior's v0 and V) of its shape and of its
-    dtype, the parameter's (not cast); all of them finite; a diagonal "std" >= 0, and > 0 wherever the block's
+    the block keeps (and each optional entry present, or `required`: step_prior's v0 and V) of its shape, floating
+    point (another float dtype than the parameter's is cast to it, as torch's optimizers do); all of them finite, also
+    once cast; a diagonal "std" >= 0, and > 0 wherever the block's
     own is (0 only where this optimizer has it 0: an nn.Embedding's padding row, `priors._fix_padding_row`); a
     matrix square root of a covariance not all zero unless the block's own is (the matrix-variate factors never
     are: Lemma 2 keeps them nonsingular), and diagonal where the block keeps it so (diagonal_output_factor). O(size):
@@ -377,7 +378,14 @@ def check_block_state(block: PosteriorBlock, position: int, saved: dict, require
 def _value_problem(key: str, value: Tensor, own: Tensor) -> str | None:
     """What is wrong with `value`, to be loaded as the block's `key` whose current tensor is `own`, or None."""
     if value.dtype != own.dtype:
-        return f"is {value.dtype}, this optimizer keeps {own.dtype} (the parameter's dtype; a state dict is not cast)"
+        if not (value.is_floating_point() and own.is_floating_point()):
+            return f"is {value.dtype}, this optimizer keeps {own.dtype} (the parameter's dtype)"
+        cast = value.to(own.dtype)  # as torch.optim.Optimizer.load_state_dict casts it (the model was cast since)
+        overflow = int((torch.isfinite(value) & ~torch.isfinite(cast)).sum())
+        if overflow:
+            entries = value.numel()
+            return f"overflows {own.dtype} (the parameter's, it is cast to) in {overflow} of its {entries} entries"
+        value = cast
     non_finite = int((~torch.isfinite(value)).sum())
     if non_finite:
         return f"has NaN or Inf in {non_finite} of its {value.numel()} entries"
