@@ -509,3 +509,41 @@ def test_a_one_output_model_needs_an_output_fn():
     values = predict(opt, x, 4, output_fn=lambda out: out.squeeze(-1))
     assert values.mean.shape == (5,) and values.samples.shape == (4, 5)
     torch.testing.assert_close(values.mean, model(x).squeeze(-1).detach())
+
+
+class _DictOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp(seed=0)
+
+    def forward(self, x):
+        return {"logits": self.body(x), "features": x}
+
+
+def test_a_model_that_returns_a_dict_or_tuple_needs_an_output_fn_and_uncertainty_takes_one():
+    """A user's trial (session 56): predict() and uncertainty() on a model returning a dict failed with "'dict' object
+    has no attribute 'shape'" inside the default softmax, and uncertainty() had no output_fn. A ValueError names
+    output_fn; with one, both give the logits' softmax, uncertainty() that of predict()'s samples."""
+    model = _DictOutput()
+    opt = FOOVB(model, mc_samples=4, seed=0)
+    x, _ = mlp_batch()
+    for call in (lambda: predict(opt, x), lambda: predict(opt, x, 3), lambda: uncertainty(opt, x, 3)):
+        with pytest.raises(ValueError, match=r"returns a dict, not a tensor of class logits: pass output_fn"):
+            call()
+    probabilities = lambda out: out["logits"].softmax(-1)  # noqa: E731
+    got = predict(opt, x, 3, output_fn=probabilities)
+    torch.testing.assert_close(got.mean, model.body(x).softmax(-1).detach())
+    measured = uncertainty(opt, x, 3, output_fn=probabilities)
+    torch.testing.assert_close(measured.probabilities, got.samples.mean(0))
+
+
+def test_step_batched_takes_tensors_only():
+    """step_batched([x], y) failed with "'list' object has no attribute 'shape'" in the engine: one ValueError naming
+    step(closure)."""
+    model = mlp(seed=0)
+    opt = FOOVB(model, mc_samples=4, seed=0)
+    x, y = mlp_batch()
+    for inputs, targets, name in (([x], y, "inputs"), (x, y.tolist(), "targets")):
+        with pytest.raises(ValueError, match=rf"one tensor of {name} .* got a list: .* use step\(closure\)"):
+            opt.step_batched(inputs, targets)
+    assert all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))

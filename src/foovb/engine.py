@@ -488,6 +488,11 @@ def check_batched_step(blocks: list[PosteriorBlock], model: nn.Module, loss_redu
     if loss_fn is None:
         reduction = "mean" if loss_reduction == "mean" else "sum"
         loss_fn = lambda out, y: F.cross_entropy(out, y, reduction=reduction)  # noqa: E731
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, Tensor):
+            raise ValueError(f"step_batched takes one tensor of {name} (its rows the batch's), got a "
+                             f"{type(value).__name__}: for a model of several inputs, or targets that are not one "
+                             "tensor, use step(closure)")
     rows = inputs.shape[0]
     if targets.shape[0] != rows:
         raise ValueError(f"inputs have {rows} rows but targets {targets.shape[0]}")

@@ -60,6 +60,10 @@ class Predictions:
 def _softmax(logits: Tensor) -> Tensor:
     """The default output_fn: class probabilities. One output per row is refused: its softmax is 1 whatever the
     model says (a regression net, or a binary classifier's single logit)."""
+    if not isinstance(logits, Tensor):
+        raise ValueError(f"the model returns a {type(logits).__name__}, not a tensor of class logits: pass output_fn, "
+                         "which maps its output to what to predict, e.g. output_fn=lambda out: "
+                         "out['logits'].softmax(-1) for a dict, lambda out: out[0].softmax(-1) for a tuple")
     if logits.shape[-1] == 1:
         raise ValueError("the model has one output per row, whose softmax is always 1: these predictions are class "
                          "probabilities. Pass output_fn: lambda out: out.squeeze(-1) for a regression net's values, "
@@ -235,10 +239,12 @@ def uncertainty_from_samples(samples: Tensor) -> Uncertainty:
 
 @torch.no_grad()
 def uncertainty(optimizer: FOOVB, inputs: Tensor, num_samples: int = 10, *, seed: int | None = 0,
-                chunk_size: int | None = None) -> Uncertainty:
+                chunk_size: int | None = None, output_fn: OutputFn = _softmax) -> Uncertainty:
     """Predictive entropy, expected entropy and mutual information of the softmax outputs of `num_samples`
     networks drawn from the posterior (`uncertainty_from_samples` of `sample_probabilities`: the same draws as
-    ``predict(optimizer, inputs, num_samples, seed=seed).samples``), per input.
+    ``predict(optimizer, inputs, num_samples, seed=seed).samples``), per input. `output_fn` maps the model's output
+    to class probabilities where it is not a tensor of logits (a dict, a tuple: ``lambda out: out[0].softmax(-1)``)
+    or is one binary logit (``lambda out: torch.cat([1 - out.sigmoid(), out.sigmoid()], -1)``).
 
     All inputs in one pass per sampled network (or per chunk of `chunk_size` stacked networks), under no_grad
     and in eval mode; each module's mode is restored and the model holds the posterior mean afterwards. `seed`
@@ -246,4 +252,4 @@ def uncertainty(optimizer: FOOVB, inputs: Tensor, num_samples: int = 10, *, seed
     """
     _check_optimizer(optimizer, "uncertainty")
     return uncertainty_from_samples(sample_probabilities(optimizer, inputs, num_samples, seed=seed,
-                                                         chunk_size=chunk_size))
+                                                         chunk_size=chunk_size, output_fn=output_fn))
