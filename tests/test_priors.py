@@ -47,6 +47,17 @@ def test_xavier_std_of_convolutions_counts_the_kernel_and_groups():
     assert draws.std().item() == pytest.approx(xavier_std(conv.weight), rel=0.02)
 
 
+@pytest.mark.parametrize("wrap", ["spectral_norm", "weight_norm"])
+def test_a_parametrized_layers_bias_takes_its_weights_fans(wrap):
+    """A user's trial (session 56): after torch.nn.utils.parametrizations.spectral_norm or weight_norm the weight is
+    no direct parameter of the layer, so its bias took the paper's 0.047 (8x narrower than the plain layer's 0.378).
+    It takes the fans of the weight's largest original tensor (weight_norm's direction, not its magnitude)."""
+    layer = getattr(torch.nn.utils.parametrizations, wrap)(nn.Linear(6, 8))
+    assert xavier_std(layer.bias, layer) == pytest.approx(math.sqrt(2 / 14)) == xavier_std(nn.Linear(6, 8).weight)
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(8, 3))
+    assert FOOVB(model, seed=0).posterior(layer.bias).std.mean().item() == pytest.approx(math.sqrt(2 / 14))
+
+
 @pytest.mark.parametrize("param", [torch.ones(6), torch.tensor(1.0), torch.empty(0, 3)])
 def test_parameters_without_fans_take_the_paper_sigma_init(param):
     assert xavier_std(param, nn.BatchNorm2d(6)) == PAPER_STD_INIT

@@ -15,6 +15,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .posteriors import DiagonalBlock, FullBlock, KroneckerBlock, PosteriorBlock, output_layer_blocks
 
@@ -37,7 +38,8 @@ def xavier_std(param: Tensor, module: nn.Module | None = None) -> float:
     """sqrt(2 / (fan_in + fan_out)) of `param`, the prior std that std_init="xavier" gives it.
 
     The fans are the tensor's own when it has two or more dimensions, else those of the first parameter of two or
-    more dimensions of its module (a Linear/Conv bias takes its weight's). An embedding table (nn.Embedding,
+    more dimensions of its module (a Linear/Conv bias takes its weight's, also where the weight is parametrized:
+    torch.nn.utils.parametrizations' spectral_norm, weight_norm). An embedding table (nn.Embedding,
     nn.EmbeddingBag) is a Linear layer on one-hot inputs: fan_in 1, fan_out its embedding_dim. A parameter with
     neither (the scale and shift of a norm layer, a scalar) or with no elements takes the paper's sigma_init, 0.047.
     """
@@ -47,6 +49,12 @@ def xavier_std(param: Tensor, module: nn.Module | None = None) -> float:
         return math.sqrt(2.0 / (1 + module.embedding_dim))
     candidates = [param] if param.ndim >= 2 else [p for p in (module.parameters(recurse=False) if module else ())
                                                    if p.ndim >= 2]
+    if not candidates and module is not None and parametrize.is_parametrized(module, "weight"):
+        # a parametrized layer's bias (spectral_norm, weight_norm): the fans of the weight's largest original tensor
+        # (weight_norm's direction v, not its magnitude g), not module.weight, whose evaluation would advance
+        # spectral_norm's power iteration
+        candidates = sorted((p for p in module.parametrizations["weight"].parameters() if p.ndim >= 2),
+                            key=lambda original: original.numel(), reverse=True)
     if not candidates or candidates[0].numel() == 0:
         return PAPER_STD_INIT
     fan_in, fan_out = fans(candidates[0])
