@@ -290,7 +290,7 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         raise ValueError(
             f"the loss is {factor:g} times a {kind}{over}. Whether {factor:g} belongs to each example's loss "
             f"(a Gaussian's 1/2) or scales the whole batch (1/k over k micro-batches, a dataset size) cannot be "
-            f"read from it. The first: {each}; the second: {batch}" + (f"; the third, {masked}" if masked else ""))
+            f"read from it. The first: {each}; the second: {batch}")  # (a masked mean over 2 values: unlikely)
     if declared == "mean":
         what = (f"it is {factor:g} times a mean" if kind == "mean" else
                 f"its last operation is {'a sum' if kind == 'sum' else kind}")
