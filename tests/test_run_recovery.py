@@ -448,6 +448,32 @@ def test_resume_of_a_finished_run_rewrites_nothing(uninterrupted, tmp_path, monk
     assert (copy / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
 
 
+def test_resume_rebuilds_outputs_deleted_or_changed_and_warns_of_a_damaged_checkpoint(uninterrupted, tmp_path,
+                                                                                     capsys) -> None:
+    """A user's trial (session 56): an accuracy matrix deleted, emptied or copied over from another run after the run
+    finished was left so by --resume ("nothing to resume"), although docs/suite.md says it rebuilds the outputs;
+    summary.json records each output's SHA-256 since, and --resume rebuilds what differs. A truncated checkpoint of a
+    finished run now draws a warning (load_model would fail later)."""
+    copy = tmp_path / "finished"
+    shutil.copytree(uninterrupted, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    recorded = json.loads(before["summary.json"])["outputs"]
+    assert {"metrics.csv", "accuracy_matrix_mean.csv"} <= recorded.keys()
+    (copy / "accuracy_matrix_mean.csv").unlink()
+    (copy / "metrics.csv").write_text("iteration,stage\n")
+    run(config_from_dict(TINY), copy, resume=True, progress=False)
+    assert "metrics.csv, accuracy_matrix_mean.csv missing or changed since the run wrote them: rebuilding" in \
+        capsys.readouterr().err
+    for name in ("accuracy_matrix_mean.csv", "metrics.csv"):
+        assert (copy / name).read_bytes() == before[name]
+    checkpoint = (copy / "checkpoint.pt").read_bytes()
+    (copy / "checkpoint.pt").write_bytes(checkpoint[: len(checkpoint) // 2])
+    run(config_from_dict(TINY), copy, resume=True, progress=False)
+    err = capsys.readouterr().err
+    assert "results are whole, but its checkpoint cannot give the trained model" in err
+    assert "holds a finished run: nothing to resume" in err
+
+
 def test_run_files_deleted_during_the_run_are_restored_at_its_end(uninterrupted, tmp_path, monkeypatch) -> None:
     """An `rm` of config.yaml and run.json while the run trained: it finished with exit 0 but could be neither
     compared nor resumed (config.yaml missing)."""

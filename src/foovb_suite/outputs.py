@@ -4,6 +4,7 @@ the evaluations so far during a run (`write_metrics`), all outputs and plots of 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from .evaluation import tasks_seen
 from .learners import learner_hyperparameters
 from .rundir import write_atomically
 
-__all__ = ["write_metrics", "write_outputs", "write_text"]
+__all__ = ["file_digest", "write_metrics", "write_outputs", "write_text"]
 
 
 def write_text(path: Path, text: str) -> None:
@@ -84,4 +85,24 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
         plots.plot_task_schedule(iterations, scenario.task_probabilities(iterations).numpy(),
                                  plot_dir / "task_schedule.png")
+    names = ["metrics.jsonl", "metrics.csv", *(f"accuracy_matrix_{mode}.csv" for mode in records[-1]["accuracy"]),
+             *(["stds.npz"] if stds else []), *(f"plots/{name}" for name in _plots_written(plot_dir, summary, stds,
+                                                                                         scenario))]
+    summary["outputs"] = {name: file_digest(run_dir / name) for name in names}  # --resume rebuilds what changed
     write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+
+
+def _plots_written(plot_dir: Path, summary: dict, stds: dict, scenario) -> list[str]:
+    """The file names of the plots `write_outputs` draws."""
+    names = [f"{kind}_{mode}.png" for mode in summary["modes"]
+             for kind in ("average_accuracy", "first_task_accuracy", "accuracy_matrix")]
+    names += ["std_histograms.png"] if stds else []
+    return names + (["task_schedule.png"] if hasattr(scenario, "task_probabilities") else [])
+
+
+def file_digest(path: Path) -> str | None:
+    """SHA-256 of a file's bytes, None where it cannot be read (missing, a directory)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None

@@ -45,8 +45,8 @@ from .learners import Learner
 from .loading import load_learner_state, load_run, read_checkpoint
 from .loop import TrainingLoop
 from .metrics import ACCURACY_MODES
-from .outputs import write_outputs, write_text
-from .resume import RUN_FILE, check_config_unchanged, run_identity
+from .outputs import file_digest, write_outputs, write_text
+from .resume import RUN_FILE, check_config_unchanged, run_disagrees, run_identity
 from .rundir import CheckpointError, RunDirectoryBusy, RunLock, make_directory, not_a_file
 from .scenarios.in_memory import data_digest
 from .signals import StderrWhileReadable, deferred_interrupt
@@ -214,6 +214,19 @@ def _finished_summary(run_dir: Path, config: Config) -> RunResult | None:
         summary = load_run(run_dir)["summary"]
     except (OSError, ValueError, ConfigError, CheckpointError):  # damaged: the resume rebuilds the outputs
         return None
+    changed = [name for name, digest in summary.get("outputs", {}).items() if file_digest(run_dir / name) != digest]
+    if changed:  # deleted, emptied or copied over since the run wrote them (summaries before session 56: unchecked)
+        print(f"foovb: {run_dir}: {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} missing or changed "
+              "since the run wrote them: rebuilding the outputs from its checkpoint", file=sys.stderr)
+        return None
+    try:
+        state = read_checkpoint(run_dir / "checkpoint.pt")
+        problem = run_disagrees(run_dir, state.get("run"), config, "checkpoint.pt")
+    except (OSError, CheckpointError) as error:
+        problem = str(error)
+    if problem is not None:
+        print(f"foovb: warning: {run_dir}'s results are whole, but its checkpoint cannot give the trained model "
+              f"(load_model, load_learner): {problem}", file=sys.stderr)
     print(f"foovb: {run_dir} holds a finished run: nothing to resume", file=sys.stderr)
     return summary
 
