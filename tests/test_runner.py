@@ -707,15 +707,21 @@ def test_std_histograms_are_labelled_by_evaluation(tmp_path, monkeypatch) -> Non
 
 
 def test_compare_names_runs_of_equal_directory_names_by_their_paths(finished_run, tmp_path, capsys) -> None:
+    """Two runs in directories of one name are named by their paths. One run given twice, as the same path, through
+    a symlink or as a copy (a user's trial, session 56: counted as two seeds, std 0), is refused."""
     run_dir, _ = finished_run
-    copies = [tmp_path / parent / run_dir.name for parent in ("x", "y")]
-    for copy in copies:
-        shutil.copytree(run_dir, copy)
-    assert main(["compare", *map(str, copies), "--out", str(tmp_path / "cmp")]) == 0
+    runs = [tmp_path / parent / run_dir.name for parent in ("x", "y")]
+    shutil.copytree(run_dir, runs[0])
+    run(config_from_dict({**quick(), "seed": 1}), runs[1], progress=False)
+    assert main(["compare", *map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
     rows = list(csv.DictReader((tmp_path / "cmp" / "compare.csv").read_text().splitlines()))
-    assert [r["run"] for r in rows] == [str(copies[0])] * 3 + [str(copies[1])] * 3
-    assert main(["compare", str(copies[0]), str(copies[0]), "--out", str(tmp_path / "cmp2")]) == 2
-    assert "given twice" in capsys.readouterr().err
+    assert [r["run"] for r in rows] == [str(runs[0])] * 3 + [str(runs[1])] * 3
+    (tmp_path / "link").symlink_to(runs[0])
+    for twice, how in ((runs[0], "the same directory"), (tmp_path / "link", "the same directory"),
+                       (run_dir, "the same run identity: a copy")):
+        assert main(["compare", str(runs[0]), str(twice), "--out", str(tmp_path / "cmp2")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("foovb: error: a run directory is given twice") and how in err and err.count("\n") == 1
 
 
 def test_experiment_key_ignores_only_seeds_name_and_execution_keys() -> None:
@@ -758,7 +764,10 @@ def test_compare_averages_over_seeds(finished_run, tmp_path, capsys) -> None:
     assert float(rows[3]["forgetting_mean"]) == pytest.approx(changed_summary["modes"]["mean"]["forgetting"],
                                                               abs=1e-4)
     assert "repeat a seed" not in capsys.readouterr().err
-    assert main(["compare", str(run_dir), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp2")]) == 0
+    assert main(["compare", str(run_dir), str(tmp_path / "copy"), "--out", str(tmp_path / "cmp2")]) == 2
+    assert "are one run (the same run identity: a copy)" in capsys.readouterr().err  # one run, not two seeds
+    run(config_from_dict(quick()), tmp_path / "again", progress=False)  # another run of the same seed
+    assert main(["compare", str(run_dir), str(tmp_path / "again"), "--out", str(tmp_path / "cmp2")]) == 0
     assert "repeat a seed" in capsys.readouterr().err
 
 

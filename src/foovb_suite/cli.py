@@ -201,12 +201,18 @@ def _compare(args: argparse.Namespace) -> int:
     from .loading import load_run
 
     runs = [load_run(d) for d in args.run_dirs]
+    seen: dict[object, str] = {}
+    for r in runs:  # one run given twice: by a symlink, or as a copy (its run identity, recorded since session 51)
+        for key in (("path", r["dir"].resolve()), ("run", r["summary"].get("run", {}).get("id"))):
+            if key[1] is not None and key in seen:
+                how = "the same directory" if key[0] == "path" else "the same run identity: a copy"
+                print(f"foovb: error: a run directory is given twice: {seen[key]} and {r['dir']} are one run ({how}); "
+                      "give it once", file=sys.stderr)
+                return 2
+            seen.setdefault(key, str(r["dir"]))
     names = [r["dir"].name for r in runs]
     if len(set(names)) < len(names):  # e.g. x/run and y/run: name them by their paths
         names = [str(r["dir"]) for r in runs]
-        if len(set(names)) < len(names):
-            print(f"foovb: error: a run directory is given twice: {names}", file=sys.stderr)
-            return 2
     for name, r in zip(names, runs, strict=True):
         r["name"] = name
     unknown = sorted(set(args.plot_runs or []) - set(names))
