@@ -18,6 +18,7 @@ from conftest import TINY
 from test_run_recovery import _checkpoint_iteration, _cli_run, _modes, _patch_observe, no_plots  # noqa: F401
 
 from foovb_suite import loading, rundir
+from foovb_suite.cli import main
 from foovb_suite.config import config_from_dict
 from foovb_suite.rundir import RunDirectoryBusy, RunLock, content_digest, load_checkpoint
 from foovb_suite.runner import run
@@ -341,7 +342,6 @@ def test_user_errors_of_the_cli_are_one_line(config_file, tmp_path, capfd, probl
 @pytest.mark.parametrize("where", ["before the subcommand", "after it"])
 def test_debug_shows_the_traceback_with_the_same_exit_status(config_file, tmp_path, capsys, where):
     config_file.write_text(config_file.read_text() + "checkpoint_every: 5\n")
-    from foovb_suite.cli import main
 
     argv = ["run", str(config_file), "--out", str(tmp_path / "r"), "--no-progress"]
     assert main(["--debug", *argv] if where == "before the subcommand" else [*argv, "--debug"]) == 2
@@ -615,3 +615,15 @@ def test_a_second_signal_as_a_checkpoint_is_written_names_the_checkpoint_on_disk
     assert on_disk == calls[1] != calls[0]
     assert f"the last checkpoint, after {on_disk} of " in str(stopped.value)
     assert stopped.value.checkpoint_iteration == on_disk
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "demo", "--set"], ["run", "demo", "--sett", "x=1"],
+                                  ["compare", "--plot-modes", "foo"], ["bogus"]])
+def test_command_line_mistakes_end_with_one_foovb_error_line(argv, capsys) -> None:
+    """A user's trial (session 56): argparse's own errors ended with "foovb run: error: ...", unlike every other user
+    error of the CLI; now the usage, then one `foovb: error: ...` line naming the --help to read."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("foovb: error: ") and last.endswith("--help)"), last

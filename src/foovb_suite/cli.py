@@ -16,6 +16,7 @@ import traceback
 import warnings
 from importlib import resources
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -350,16 +351,25 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors end, as every other user error of the CLI, with one `foovb: error: ...` line
+    (argparse's own reads `foovb run: error: ...`), after the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"foovb: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `foovb` argument parser (its subcommands carry their function in `func`)."""
-    parser = argparse.ArgumentParser(prog="foovb", description=__doc__)
+    parser = _Parser(prog="foovb", description=__doc__)
     parser.add_argument("--version", action="version", version=f"foovb {__version__}")
     debug_help = "show the Python traceback of an error (by default one 'foovb: error:' line)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     # --debug after the subcommand too (foovb run demo --debug); SUPPRESS: absent there, the top level's value stays
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p_run = sub.add_parser("run", parents=[debug], help="train and evaluate one experiment config")
     p_run.add_argument("config", help="a YAML config file, or the name of a bundled one (foovb configs)")
     p_run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
