@@ -627,3 +627,37 @@ def test_command_line_mistakes_end_with_one_foovb_error_line(argv, capsys) -> No
     assert stop.value.code == 2
     last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
     assert last.startswith("foovb: error: ") and last.endswith("--help)"), last
+
+
+def test_a_broken_tensorboard_install_is_one_line(monkeypatch) -> None:
+    """A user's trial (session 56): a tensorboard whose import raises something else than ImportError (protobuf's
+    TypeError "Descriptors cannot be created directly") gave a traceback; now a ConfigError naming the repair."""
+    import builtins
+
+    from foovb_suite.config import ConfigError
+    from foovb_suite.tensorboard_log import require_tensorboard
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "tensorboard":
+            raise TypeError("Descriptors cannot be created directly.\nIf this call came from a _pb2.py file ...")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(ConfigError, match=r"^tensorboard is installed but fails to import \(TypeError: Descriptors "
+                                          r"cannot be created directly\. If this call") as refusal:
+        require_tensorboard()
+    assert "\n" not in str(refusal.value)
+
+
+def test_a_factory_that_calls_sys_exit_is_a_factory_error(tmp_path, monkeypatch, capsys) -> None:
+    """A user's trial (session 56): a scenario factory that called sys.exit("usage: bad") ended the CLI with that
+    text alone; now one `foovb: error:` line naming the factory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exits.py").write_text("import sys\n\n\ndef make_tasks():\n    sys.exit('usage: bad')\n")
+    (tmp_path / "c.yaml").write_text("scenario: {kind: custom, factory: 'exits:make_tasks'}\nlearner: {kind: sgd}\n")
+    assert main(["run", "c.yaml", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foovb: error: scenario.factory 'exits:make_tasks' raised SystemExit: usage: bad") \
+        and err.count("\n") == 1, err

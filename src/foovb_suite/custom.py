@@ -111,7 +111,7 @@ def _import_factory(section: str, factory: str) -> Callable[..., Any]:
     module_name, _, attribute_path = factory.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - the user's module: any failure is reported as it is
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's module: any failure is reported as it is
         missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
         if missing is not None and (module_name + ".").startswith(missing + "."):  # the module, not an import of it
             raise ConfigError(f"{name}: no module named {missing!r}; {_how_modules_are_found(module_name)}") \
@@ -155,8 +155,8 @@ def _call_factory(section: str, factory: str, args: dict[str, Any], offered: dic
                 raise ConfigError(f"{section}.args: {factory} cannot be called with them ({error})") from None
         try:
             return function(**given, **args)
-        except Exception as error:  # noqa: BLE001 - the user's code: any failure is reported as it is
-            raise ConfigError(f"{section}.factory {factory!r} raised {_failure(error)}") from error
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's code (a script's sys.exit too): any
+            raise ConfigError(f"{section}.factory {factory!r} raised {_failure(error)}") from error  # failure, as it is
 
 
 def custom_tasks(scenario: ScenarioConfig) -> InMemoryTasks:

@@ -37,6 +37,11 @@ def require_tensorboard() -> type:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ConfigError(MISSING) from None
+    except Exception as error:  # noqa: BLE001 - installed but broken (protobuf's "Descriptors cannot be created")
+        cause = " ".join(str(error).split())[:200] or type(error).__name__
+        raise ConfigError(f"tensorboard is installed but fails to import ({type(error).__name__}: {cause}): repair "
+                          "or reinstall it (pip install --force-reinstall tensorboard), or run without "
+                          "--tensorboard") from None
     return SummaryWriter
 
 
