@@ -1412,3 +1412,22 @@ def test_tensorboard_is_an_execution_setting_kept_by_the_resume_command(tmp_path
     args = build_parser().parse_args(["run", "c.yaml", "--out", str(tmp_path), "--no-progress", "--tensorboard"])
     assert _interrupted_message("saved", args, tmp_path).endswith(
         f"resume with: foovb run c.yaml --out {tmp_path} --resume --no-progress --tensorboard")
+
+
+def test_compare_and_plot_refuse_an_out_that_would_mix_outputs(finished_run, tmp_path, capsys) -> None:
+    """A user's trial (session 56): `foovb compare ... --out RUN` wrote its table and plots into a finished run's
+    directory, and `foovb plot --out` over a compare's directory replaced its plots beside its compare.csv."""
+    run_dir, _ = finished_run
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    matrix = str(run_dir / "accuracy_matrix_mean.csv")
+    for argv in (["compare", str(run_dir), "--out", str(run_dir)], ["plot", matrix, "--out", str(run_dir)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"foovb: error: --out {run_dir} is a run directory") and err.count("\n") == 1, err
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    assert main(["compare", str(run_dir), "--out", str(tmp_path / "cmp")]) == 0
+    assert main(["plot", matrix, "--out", str(tmp_path / "cmp")]) == 2
+    assert "holds the outputs of another command (compare.csv)" in capsys.readouterr().err
+    assert main(["plot", matrix, "--out", str(tmp_path / "p")]) == 0
+    assert main(["compare", str(run_dir), "--out", str(tmp_path / "p")]) == 2
+    assert "holds the outputs of another command (plotted.csv)" in capsys.readouterr().err

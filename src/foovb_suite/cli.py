@@ -233,6 +233,9 @@ def _compare(args: argparse.Namespace) -> int:
         print("foovb: warning: the runs differ in their protocol, so their accuracies do not compare:\n  "
               + "\n  ".join(differences), file=sys.stderr)
     out = Path(args.out)
+    if (refusal := _not_an_output_directory(out, "compare", "plotted.csv")) is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     make_directory(out)  # a file in the way, or a full disk: one line naming it
     header = ["run", "learner", "scenario", "tasks", "iterations", "mc_samples", "mode", "average_accuracy",
               "first_task_accuracy", "forgetting", "train_minutes", "ms_per_iteration"]
@@ -295,6 +298,22 @@ def _matrix_disagrees(path: Path, average: float, first: float) -> str | None:
     return None
 
 
+def _not_an_output_directory(out: Path, command: str, other: str) -> str | None:
+    """The one-line error for an --out that would mix outputs: a run directory (its plots are the run's), or the
+    directory of the other command's outputs (`other`: plot and compare both write average_accuracy.png); None if
+    --out is fine."""
+    from .resume import RUN_FILE
+
+    run_files = [name for name in (RUN_FILE, "checkpoint.pt", "summary.json") if (out / name).exists()]
+    if run_files:
+        return (f"foovb: error: --out {out} is a run directory ({run_files[0]}): foovb {command} would write its "
+                "tables and plots among the run's; choose another directory")
+    if (out / other).exists():
+        return (f"foovb: error: --out {out} holds the outputs of another command ({other}): foovb {command} would "
+                "overwrite its plots; choose another directory")
+    return None
+
+
 def _plot(args: argparse.Namespace) -> int:
     """Average-accuracy and first-task plots, and a table of their final values, from saved accuracy matrices
     (`accuracy_matrix_<mode>.csv` of a run: one row per task end, one column per task)."""
@@ -343,6 +362,9 @@ def _plot(args: argparse.Namespace) -> int:
         average_curves[label], first_curves[label] = (tasks, average), (tasks, first)
         rows.append([label, str(path), matrix.shape[0], f"{average[-1]:.4f}", f"{first[-1]:.4f}"])
     out = Path(args.out)
+    if (refusal := _not_an_output_directory(out, "plot", "compare.csv")) is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     make_directory(out)  # a file in the way, or a full disk: one line naming it
     _write_table(out, "plotted", ["label", "matrix", "tasks", "average_accuracy", "first_task_accuracy"], rows)
     plots.plot_average_accuracy(average_curves, out / "average_accuracy.png")
