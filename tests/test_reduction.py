@@ -154,15 +154,16 @@ def test_ctc_losss_mean_is_refused_and_its_sum_is_taken():
     steps, lengths = 5, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2])
     targets = torch.randint(1, 3, (8, 3), generator=torch.Generator().manual_seed(0))
 
-    def ctc(out: torch.Tensor, reduction: str) -> torch.Tensor:
+    def ctc(out: torch.Tensor, reduction: str, zero_infinity: bool = False) -> torch.Tensor:
         log_probs = F.log_softmax(out.repeat(1, steps).view(8, steps, 3), -1).transpose(0, 1)
-        return F.ctc_loss(log_probs, targets, torch.full((8,), steps), lengths, reduction=reduction)
+        return F.ctc_loss(log_probs, targets, torch.full((8,), steps), lengths, reduction=reduction,
+                          zero_infinity=zero_infinity)
 
-    for batch_size in (None, 8):
+    for batch_size, zero_infinity in ((None, False), (8, False), (None, True)):  # nn.CTCLoss(zero_infinity=True)
         model = mlp(seed=0)
         opt = FOOVB(model, "diagonal", 4, seed=3)
         with pytest.raises(ValueError, match="ctc_loss's reduction='mean'.* use reduction='sum'"):
-            opt.step(_closure(model, lambda m: ctc(m(X), "mean")), batch_size=batch_size)
+            opt.step(_closure(model, lambda m, z=zero_infinity: ctc(m(X), "mean", z)), batch_size=batch_size)
         assert all_equal(params_snapshot(model), params_snapshot(mlp(seed=0)))
     model = mlp(seed=0)
     FOOVB(model, "diagonal", 4, seed=3).step(_closure(model, lambda m: ctc(m(X), "sum")))

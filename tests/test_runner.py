@@ -1108,9 +1108,11 @@ def test_resume_warns_when_a_file_defining_the_models_class_changed(example_dir,
     code = main(["run", "two_tasks.yaml", "--out", "r", "--no-progress", "--resume"])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert f"foovb: warning: --resume: {layers.resolve()} (a class of the model) changed since checkpoint.pt was " \
-           "written; its modules are the same" in err, err
+    assert "foovb: warning: --resume: module 'my_layers' (it defines a class of the model) changed since " \
+           "checkpoint.pt was written; its modules are the same" in err, err
     assert str(module.resolve()) not in err, err
+    record = json.loads((example_dir / "r" / "summary.json").read_text())["run"]["model"]
+    assert list(record["classes"]) == ["my_layers"] and str(layers) not in json.dumps(record["classes"])  # no paths
 
 
 @pytest.mark.parametrize("edit", ["data", "model"])

@@ -99,6 +99,15 @@ over its C classes already (F.multi_margin_loss, F.multilabel_margin_loss)."""
 _CTC_MEAN = "F.ctc_loss's reduction='mean'"
 
 
+def _holds_ctc_loss(node: object, depth: int = 3) -> bool:
+    """Whether `node` is F.ctc_loss's, or holds it within `depth` levels of inputs (zero_infinity=True puts a where
+    on it)."""
+    if node is None or depth == 0:
+        return False
+    return "CtcLoss" in type(node).__name__ or any(_holds_ctc_loss(child, depth - 1)
+                                                   for child, _ in node.next_functions)
+
+
 def _divisor(node: object) -> float | None:
     """The constant a DivBackward node divides by."""
     name = type(node).__name__
@@ -145,7 +154,7 @@ def _read(node: object, depth: int = 0) -> LossReduction:
         source = node.next_functions[0][0]
         if type(source).__name__ in ("StackBackward0", "CatBackward0"):  # a mean of losses, each over its own terms
             return LossReduction(f"a .mean() over a {type(source).__name__[:-9].lower()} of values", math.nan)
-        if type(source).__name__ == "DivBackward0" and "CtcLoss" in type(source.next_functions[0][0]).__name__:
+        if type(source).__name__ == "DivBackward0" and _holds_ctc_loss(source.next_functions[0][0]):
             return LossReduction(_CTC_MEAN, math.nan)  # each row's loss divided by its target length, then the mean
         return LossReduction("mean", float(math.prod(node._saved_self_sym_sizes)))
     reduction = getattr(node, "_saved_reduction", None)  # torch's loss functions: 1 mean, 2 sum

@@ -148,10 +148,12 @@ def _seed_rows(runs: list[dict]) -> list[list]:
         recorded = [r["summary"].get("run", {}) for r in same_config]
         # summaries before session 53 record neither, before session 54 no model: what every run records is compared
         keys = [key for key in ("data", "model") if all(key in record for record in recorded)]
+        classes = all(isinstance(record.get("model"), dict) and "classes" in record["model"] for record in recorded)
         by_data: dict[str, list[dict]] = {}
         for r, record in zip(same_config, recorded, strict=True):
             what = [record[key] if key == "data" or record[key] is None else  # the model's hashes, not its file's path
-                    [record[key]["modules"], record[key]["source"]] for key in keys]
+                    [record[key]["modules"], record[key]["source"], record[key]["classes"] if classes else None]
+                    for key in keys]
             by_data.setdefault(json.dumps(what), []).append(r)
         if len(by_data) > 1:
             split = " and ".join(f"[{', '.join(r['name'] for r in group)}]" for group in by_data.values())
@@ -300,15 +302,16 @@ def _matrix_disagrees(path: Path, average: float, first: float) -> str | None:
 
 def _not_an_output_directory(out: Path, command: str, other: str) -> str | None:
     """The one-line error for an --out that would mix outputs: a run directory (its plots are the run's), or the
-    directory of the other command's outputs (`other`: plot and compare both write average_accuracy.png); None if
-    --out is fine."""
+    directory of the other command's outputs alone (`other`: plot and compare both write average_accuracy.png; a
+    directory that holds both commands' tables already is taken as meant to); None if --out is fine."""
     from .resume import RUN_FILE
 
     run_files = [name for name in (RUN_FILE, "checkpoint.pt", "summary.json") if (out / name).exists()]
     if run_files:
         return (f"foovb: error: --out {out} is a run directory ({run_files[0]}): foovb {command} would write its "
                 "tables and plots among the run's; choose another directory")
-    if (out / other).exists():
+    own = "compare.csv" if other == "plotted.csv" else "plotted.csv"
+    if (out / other).exists() and not (out / own).exists():  # both there: a directory meant to hold both
         return (f"foovb: error: --out {out} holds the outputs of another command ({other}): foovb {command} would "
                 "overwrite its plots; choose another directory")
     return None

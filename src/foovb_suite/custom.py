@@ -95,7 +95,8 @@ def _library_file(filename: str) -> bool:
 def _failure(error: BaseException) -> str:
     """An exception raised by the user's code, in one line: its type, message and where it was raised: the last
     line of the user's own files in the traceback, and the library's line that raised it, if another."""
-    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    message = " ".join(str(error).split()) or (f"exit status {error.code}" if isinstance(error, SystemExit) else "")
+    text = f"{type(error).__name__}: {message}" if message else type(error).__name__
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
     if frames and not isinstance(error, SyntaxError):  # a SyntaxError's message has its file and line
         own = [frame for frame in frames if not _library_file(frame.filename)]
@@ -207,11 +208,11 @@ def _refuse_classes_only_tested(tasks: InMemoryTasks, scenario: ScenarioConfig) 
 
 def model_record(model: ModelConfig, module: nn.Module) -> dict[str, Any] | None:
     """What a run records of its custom model, for --resume (`resume.run_identity`): the SHA-256 of its modules as
-    printed (`repr`: layers, sizes, activation modules); of the source file that holds model.factory and of the user's
-    files that define the classes of its modules and their bases (`_model_files`; a forward may compute what the
-    printout does not show, e.g. F.relu), one hash of them all ("source": the factory file's own where no other file
-    defines a class) and one per file ("sources", by path); and the factory's file (None where it cannot be read).
-    None for a built-in model, which the config determines."""
+    printed (`repr`: layers, sizes, activation modules), of the source file that holds model.factory ("source") and of
+    each other file of the user's that defines a class of its modules or their bases ("classes", by module name:
+    paths differ between checkouts; since session 56), as a forward may compute what the printout does not show
+    (e.g. F.relu); and the factory's file (None where it cannot be read). None for a built-in model, which the
+    config determines."""
     if model.kind != "custom":
         return None
     with _importable():
@@ -220,28 +221,25 @@ def model_record(model: ModelConfig, module: nn.Module) -> dict[str, Any] | None
         source = inspect.getsourcefile(inspect.unwrap(function))
     except TypeError:  # a built-in: the modules are still compared
         source = None
-    files = {path: _file_hash(path) for path in _model_files(module, source)}
-    others = sorted(path for path in files if path != source)
-    combined = hashlib.sha256(_read(source) if source else b"")
-    for path in others:  # the factory file's own hash where the classes are all defined there (as before session 56)
-        combined.update(f"\0{path}\0{files[path]}".encode())
     return {"modules": hashlib.sha256(repr(module).encode()).hexdigest(),
             "file": source if source and Path(source).is_file() else None,
-            "source": combined.hexdigest(), "sources": files}
+            "source": hashlib.sha256(_read(source) if source else b"").hexdigest(),
+            "classes": {name: hashlib.sha256(_read(path)).hexdigest()
+                        for name, path in sorted(_class_files(module, source).items())}}
 
 
-def _model_files(module: nn.Module, factory_file: str | None) -> list[str]:
-    """The user's source files (not Python's, an installed package's or foovb's) that define the classes of `module`'s
-    submodules and their base classes, the factory's file first."""
-    files = [factory_file] if factory_file else []
+def _class_files(module: nn.Module, factory_file: str | None) -> dict[str, str]:
+    """The user's source files (not Python's, an installed package's or foovb's) other than the factory's that define
+    the classes of `module`'s submodules and their base classes, by module name."""
+    files = {}
     for cls in {type(submodule) for submodule in module.modules()}:
         for base in inspect.getmro(cls):
             try:
                 path = inspect.getsourcefile(base)
             except TypeError:  # a built-in class
                 continue
-            if path and path not in files and not _library_file(path):
-                files.append(path)
+            if path and path != factory_file and not _library_file(path):
+                files[base.__module__] = path
     return files
 
 
@@ -251,10 +249,6 @@ def _read(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError:
         return b""
-
-
-def _file_hash(path: str) -> str:
-    return hashlib.sha256(_read(path)).hexdigest()
 
 
 def custom_model(model: ModelConfig, input_shape: Sequence[int], num_outputs: int, device: torch.device) -> nn.Module:

@@ -121,22 +121,24 @@ def _check_model(recorded: dict[str, Any] | None, model: dict[str, Any] | None,
                               f"(its modules as printed differ: a layer, a size or an activation module changed, the "
                               f"checkpoint's weights would be trained on by another network); restore it, or start "
                               "a new run")
-    if recorded["source"] != model["source"] and warn:
-        print(f"foovb: warning: --resume: {_changed_model_files(recorded, model, factory)} changed since "
-              f"{checkpoint_path.name} was written; its modules are the same. If the change alters what the model "
-              "computes (a function in its forward), this run mixes two models: start a new run", file=sys.stderr)
+    changed = _changed_model_files(recorded, model, factory)
+    if changed and warn:
+        print(f"foovb: warning: --resume: {changed} changed since {checkpoint_path.name} was written; its modules are "
+              "the same. If the change alters what the model computes (a function in its forward), this run mixes "
+              "two models: start a new run", file=sys.stderr)
 
 
 def _changed_model_files(recorded: dict[str, Any], model: dict[str, Any], factory: str | None) -> str:
-    """The model's source files whose hashes differ, as the warning names them: by path where both records hold
-    one hash per file ("sources", since session 56), else the factory's file."""
-    factory_file = model["file"] or recorded["file"]
-    before, now = recorded.get("sources"), model.get("sources")
-    changed = [path for path in {**before, **now} if before.get(path) != now.get(path)] if before and now else []
-    if not changed or changed == [factory_file]:
-        return f"{factory_file or 'the file'}, which holds model.factory {factory!r},"
-    holds = f"which holds model.factory {factory!r}"
-    return " and ".join(f"{path} ({holds if path == factory_file else 'a class of the model'})" for path in changed)
+    """The model's source files whose hashes differ, as the warning names them ("" if none): the factory's file, and
+    the modules of the user's that define its classes where both records hold them (since session 56)."""
+    changed = []
+    if recorded["source"] != model["source"]:
+        changed.append(f"{model['file'] or recorded['file'] or 'the file'}, which holds model.factory {factory!r},")
+    before, now = recorded.get("classes"), model.get("classes")
+    if before is not None and now is not None:
+        changed += [f"module {name!r} (it defines a class of the model)" for name in sorted(before.keys() | now.keys())
+                    if before.get(name) != now.get(name)]
+    return " and ".join(changed)
 
 
 def _config_changes(recorded: dict[str, Any], computed: dict[str, Any], there: str, here: str) -> str:

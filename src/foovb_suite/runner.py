@@ -204,9 +204,11 @@ def _write_run_files(run_dir: Path, run_id: str, resolved: dict[str, Any], *, co
 
 
 def _finished_summary(run_dir: Path, config: Config) -> RunResult | None:
-    """--resume of a run that finished with whole outputs: its summary, with nothing loaded, trained or rewritten
-    (a rewrite recorded the command line's threads as the run's); None where there is a run to continue, outputs
-    to rebuild from the checkpoint (damaged or missing), a live run in the directory, or a config that differs."""
+    """--resume of a run that finished with whole outputs: its summary, with no data loaded, nothing trained or
+    rewritten (a rewrite recorded the command line's threads as the run's; the checkpoint is read, to warn where it is
+    damaged or another run's); None where there is a run to continue, outputs to rebuild from the checkpoint
+    (damaged, missing or changed since: summary.json's digests), a live run in the directory, or a config that
+    differs."""
     if not (run_dir / "summary.json").is_file() or RunLock.busy_message(run_dir) is not None:
         return None
     try:
