@@ -661,3 +661,16 @@ def test_a_factory_that_calls_sys_exit_is_a_factory_error(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("foovb: error: scenario.factory 'exits:make_tasks' raised SystemExit: usage: bad") \
         and err.count("\n") == 1, err
+
+
+def test_an_empty_config_name_a_non_file_and_a_missing_run_directory_say_what_they_are(tmp_path, capsys) -> None:
+    """A user's trial (session 56): `foovb run ""` said "config file . is a directory", `foovb run /dev/null` "does not
+    exist", `foovb compare MISSING` "has no summary.json (not a finished run)"."""
+    (tmp_path / "a_file").write_text("x")
+    for argv, says in ((["run", ""], "the config is an empty name"),
+                       (["run", "/dev/null"], "config file /dev/null is not a regular file"),
+                       (["compare", str(tmp_path / "missing")], f"{tmp_path / 'missing'} does not exist"),
+                       (["compare", str(tmp_path / "a_file")], "is a file, not a run directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("foovb: error: ") and says in err and err.count("\n") == 1, err

@@ -39,6 +39,8 @@ def bundled_configs() -> dict[str, Path]:
 def config_path(config: str) -> Path:
     """``config`` as given when it is an existing file or looks like a path (a directory part or a suffix),
     else the bundled config of that name: ``foovb run demo`` works from any directory after ``pip install``."""
+    if not config.strip():
+        raise ConfigError("the config is an empty name: give a YAML file or a bundled config's name (foovb configs)")
     path = Path(config)
     bundled = bundled_configs()
     if not path.exists() and path.suffix == ".yaml" and path.stem in bundled:  # `configs/demo.yaml` outside a checkout

@@ -493,7 +493,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} is not a regular file" if path.exists() else
+                          f"config file {path} does not exist")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:  # a binary file (a checkpoint), or a config saved in another encoding

@@ -38,6 +38,9 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     """A finished run's summary and records (for `foovb compare`)."""
     run_dir = Path(run_dir)
     summary_path = run_dir / "summary.json"
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} does not exist" if not run_dir.exists() else
+                                f"{run_dir} is a file, not a run directory")
     if not summary_path.is_file():
         raise FileNotFoundError(f"{run_dir} has no summary.json (not a finished run)")
     try:
