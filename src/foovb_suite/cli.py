@@ -237,7 +237,7 @@ def _compare(args: argparse.Namespace) -> int:
         print("foovb: warning: the runs differ in their protocol, so their accuracies do not compare:\n  "
               + "\n  ".join(differences), file=sys.stderr)
     out = Path(args.out)
-    if (refusal := _not_an_output_directory(out, "compare", "plotted.csv")) is not None:
+    if (refusal := _not_an_output_directory(out, "compare")) is not None:
         print(refusal, file=sys.stderr)
         return 2
     make_directory(out)  # a file in the way, or a full disk: one line naming it
@@ -302,18 +302,22 @@ def _matrix_disagrees(path: Path, average: float, first: float) -> str | None:
     return None
 
 
-def _not_an_output_directory(out: Path, command: str, other: str) -> str | None:
+_TABLES = {"compare": "compare.csv", "plot": "plotted.csv"}
+"""The table each command writes into its --out (both write average_accuracy.png and first_task_accuracy.png)."""
+
+
+def _not_an_output_directory(out: Path, command: str) -> str | None:
     """The one-line error for an --out that would mix outputs: a run directory (its plots are the run's), or the
-    directory of the other command's outputs alone (`other`: plot and compare both write average_accuracy.png; a
-    directory that holds both commands' tables already is taken as meant to); None if --out is fine."""
+    directory of the other command's outputs alone (a directory that holds both commands' tables already is taken as
+    meant to); None if --out is fine."""
     from .resume import RUN_FILE
 
     run_files = [name for name in (RUN_FILE, "checkpoint.pt", "summary.json") if (out / name).exists()]
     if run_files:
         return (f"foovb: error: --out {out} is a run directory ({run_files[0]}): foovb {command} would write its "
                 "tables and plots among the run's; choose another directory")
-    own = "compare.csv" if other == "plotted.csv" else "plotted.csv"
-    if (out / other).exists() and not (out / own).exists():  # both there: a directory meant to hold both
+    other = next(table for name, table in _TABLES.items() if name != command)
+    if (out / other).exists() and not (out / _TABLES[command]).exists():  # both there: a directory meant to hold both
         return (f"foovb: error: --out {out} holds the outputs of another command ({other}): foovb {command} would "
                 "overwrite its plots; choose another directory")
     return None
@@ -367,7 +371,7 @@ def _plot(args: argparse.Namespace) -> int:
         average_curves[label], first_curves[label] = (tasks, average), (tasks, first)
         rows.append([label, str(path), matrix.shape[0], f"{average[-1]:.4f}", f"{first[-1]:.4f}"])
     out = Path(args.out)
-    if (refusal := _not_an_output_directory(out, "plot", "compare.csv")) is not None:
+    if (refusal := _not_an_output_directory(out, "plot")) is not None:
         print(refusal, file=sys.stderr)
         return 2
     make_directory(out)  # a file in the way, or a full disk: one line naming it

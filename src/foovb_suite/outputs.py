@@ -45,27 +45,33 @@ def write_metrics(run_dir: Path, records: list[dict]) -> None:
 def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[str, np.ndarray], scenario,
                   config: Config) -> None:
     """All plain-file outputs and plots of a finished run, each written whole; summary.json, which marks the run
-    finished, last (a run killed before it is resumed with --resume, which writes them again)."""
+    finished, last (a run killed before it is resumed with --resume, which writes them again), with the SHA-256 of
+    every file written, by which --resume tells outputs deleted or changed since."""
+    written = ["metrics.jsonl", "metrics.csv"]
+
+    def output(name: str) -> Path:  # the path of an output, recorded for summary.json's digests
+        written.append(name)
+        return run_dir / name
+
     write_metrics(run_dir, records)
     for mode in records[-1]["accuracy"]:
         matrix, table = np.array([r["accuracy"][mode] for r in records]), io.StringIO()
         np.savetxt(table, matrix, delimiter=",", fmt="%.6f",
                    header=",".join(f"task_{t}" for t in range(matrix.shape[1])))
-        write_text(run_dir / f"accuracy_matrix_{mode}.csv", table.getvalue())
+        write_text(output(f"accuracy_matrix_{mode}.csv"), table.getvalue())
     if stds:
         archive = io.BytesIO()
         np.savez_compressed(archive, **stds)
-        write_atomically(archive.getvalue(), run_dir / "stds.npz")
-    plot_dir = run_dir / "plots"
+        write_atomically(archive.getvalue(), output("stds.npz"))
     stages = tasks_seen(records, config)
     for mode, entry in summary["modes"].items():
         label = f"{summary['learner']} ({mode})"
         plots.plot_average_accuracy({label: (stages, entry["average_accuracy_curve"])},
-                                    plot_dir / f"average_accuracy_{mode}.png")
+                                    output(f"plots/average_accuracy_{mode}.png"))
         first = [r["accuracy"][mode][0] for r in records]
-        plots.plot_first_task_accuracy({label: (stages, first)}, plot_dir / f"first_task_accuracy_{mode}.png")
+        plots.plot_first_task_accuracy({label: (stages, first)}, output(f"plots/first_task_accuracy_{mode}.png"))
         plots.plot_accuracy_matrix(np.array([r["accuracy"][mode] for r in records]),
-                                   plot_dir / f"accuracy_matrix_{mode}.png")
+                                   output(f"plots/accuracy_matrix_{mode}.png"))
     if stds:
         params = learner_hyperparameters(config.learner.kind, config.learner.params)  # the preset's values filled in
         one_initial_std = (config.learner.kind == "foovb" and params["posterior"] == "diagonal"
@@ -78,26 +84,15 @@ def write_outputs(run_dir: Path, records: list[dict], summary: dict, stds: dict[
             labels = [f"{key.removeprefix('iteration_')} iterations ({x:.2f} tasks)"
                       for key, x in zip(stds, at, strict=True)]
             title = "Posterior STD histogram at each evaluation"
-        plots.plot_std_histograms(list(stds.values()), plot_dir / "std_histograms.png",
+        plots.plot_std_histograms(list(stds.values()), output("plots/std_histograms.png"),
                                   initial_std=params["std_init"] if one_initial_std else None,
                                   labels=labels, title=title)
     if hasattr(scenario, "task_probabilities"):
         iterations = np.linspace(0, scenario.num_iterations - 1, 1000).astype(int)
         plots.plot_task_schedule(iterations, scenario.task_probabilities(iterations).numpy(),
-                                 plot_dir / "task_schedule.png")
-    names = ["metrics.jsonl", "metrics.csv", *(f"accuracy_matrix_{mode}.csv" for mode in records[-1]["accuracy"]),
-             *(["stds.npz"] if stds else []), *(f"plots/{name}" for name in _plots_written(plot_dir, summary, stds,
-                                                                                         scenario))]
-    summary["outputs"] = {name: file_digest(run_dir / name) for name in names}  # --resume rebuilds what changed
+                                 output("plots/task_schedule.png"))
+    summary["outputs"] = {name: file_digest(run_dir / name) for name in written}  # --resume rebuilds what changed
     write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-
-
-def _plots_written(plot_dir: Path, summary: dict, stds: dict, scenario) -> list[str]:
-    """The file names of the plots `write_outputs` draws."""
-    names = [f"{kind}_{mode}.png" for mode in summary["modes"]
-             for kind in ("average_accuracy", "first_task_accuracy", "accuracy_matrix")]
-    names += ["std_histograms.png"] if stds else []
-    return names + (["task_schedule.png"] if hasattr(scenario, "task_probabilities") else [])
 
 
 def file_digest(path: Path) -> str | None:
