@@ -582,6 +582,19 @@ def test_step_batched_names_its_own_fix_for_a_regularised_loss():
             as error:
         opt.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum())
     assert "batch_size=32" not in str(error.value).split("What was read")[0]
+    # loss_reduction="sum" takes a sum plus a regulariser as the batch's likelihood in step(closure); step_batched
+    # took it too, with a regulariser that reads no sample's weights (matching no scaling of it: a user's trial)
+    summed = FOOVB(model, "kronecker", 4, loss_reduction="sum")
+    with pytest.raises(ValueError, match=r"4 x 8 stacked rows.*What was read: it is a \.sum\(\) over 6 leading "
+                                         r"rows, not over the 4 x 8 stacked rows \(a regulariser's sum added to the "
+                                         r"loss\?\)$"):
+        summed.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y, reduction="sum")
+                            + 1e-3 * model[0].weight.square().sum())
+    with pytest.raises(ValueError, match=r"What was read: its last operation is AddBackward0, not a mean or a sum$"):
+        summed.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y, reduction="sum")
+                            + 1e-3 * sum(p.square().sum() for p in model.parameters()))
+    summed.step_batched(X, Y, lambda out, y: F.cross_entropy(out, y, reduction="sum") + 1.0)  # a constant: no gradient
+    assert summed.steps_taken == 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -659,6 +672,41 @@ def test_a_regularised_mean_over_several_values_per_row_names_both_sizes():
             model, lambda out, y: F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum()))
 
 
+def test_a_batch_size_that_contradicts_a_regularised_mean_is_refused():
+    """A regularised mean took any batch_size: one held over from a full batch of 64 on a last batch of 8, or a
+    dataset size (a likelihood 7,500 times too strong, the posterior std shrunk 34-fold in 5 steps: a user's trial),
+    went through in silence. Now the count must divide the mean's values (the rows, or several values a row), or be
+    the whole batch of a scaled loss (micro-batches); a divisor that is no count (class weights) takes none."""
+    model = mlp()
+
+    def regularised(out, y):
+        return F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum()
+
+    for wrong in (64, 60000, 3):
+        with pytest.raises(ValueError, match=rf"batch_size={wrong}\) says the loss is a mean over {wrong} terms, but "
+                                             r"the mean it adds to other terms \(AddBackward0: e.g. a regulariser\) "
+                                             rf"averages 8 values .* step\(closure, batch_size=8\)$"):
+            FOOVB(model, "diagonal", 4).step(closure_of(model, regularised), batch_size=wrong)
+    target = torch.zeros(8, 3)
+    with pytest.raises(ValueError, match=r"averages 24 values.* batch_size=24\) or batch_size=8 \(3 values a row\)$"):
+        FOOVB(model, "diagonal", 4).step(closure_of(
+            model, lambda out, y: F.mse_loss(out, target) + 1e-3 * model[0].weight.square().sum()), batch_size=5)
+    weights = torch.tensor([0.3, 1.1, 2.0])  # a total weight of the batch's targets that is no whole number
+    with pytest.raises(ValueError, match=r"averages [\d.]+ values .* no count \(a total class weight\?\)"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: F.cross_entropy(
+            out, y, weight=weights) + 1e-3 * model[0].weight.square().sum()), batch_size=8)
+    accepted = {  # loss -> the counts that stay accepted
+        regularised: (8, 4),
+        lambda out, y: F.mse_loss(out, target) + 1e-3 * model[0].weight.square().sum(): (8, 24),
+        lambda out, y: regularised(out, y) / 2: (8, 16),  # a Gaussian's 1/2, or 2 micro-batches of 8
+    }
+    for loss_fn, counts in accepted.items():
+        for count in counts:
+            opt = FOOVB(model, "diagonal", 4)
+            opt.step(closure_of(model, loss_fn), batch_size=count)
+            assert opt.steps_taken == 1
+
+
 def test_per_example_losses_are_refused_with_what_to_return():
     model = mlp()
     opt = FOOVB(model, "diagonal", 4)
@@ -717,6 +765,28 @@ def test_a_masked_mean_is_named_and_its_count_gives_the_summed_steps():
         with pytest.raises(ValueError, match=rf"batch_size={wrong}\) says the loss is a mean over {wrong} terms, but "
                                              r"it is a \.sum\(\) over \d rows divided by 6: .* takes batch_size=6"):
             FOOVB(model, "diagonal", 4).step(closure_of(model, loss_fn), batch_size=wrong)
+
+
+def test_a_weighted_mean_by_hand_is_named_and_its_fix_is_torchs_weighted_mean():
+    """(w * losses).sum() / w.sum() with a total weight that is no count: the error offered loss_reduction='sum'
+    first (a likelihood 1 / w.sum() times too weak, a user's trial) and never the weighted mean. It names it now, and
+    its fix, the weighted sum, takes the step of F.cross_entropy(..., weight=) (read as the weighted sum too)."""
+    class_weights = torch.tensor([0.3, 1.1, 2.0])
+    row_weights = class_weights[Y]
+    model = mlp()
+    with pytest.raises(ValueError, match=r"; a weighted mean \(\(w \* losses\)\.sum\(\) / w\.sum\(\)\): drop the "
+                                         r"division, and the step reads the weighted sum as the batch's summed"):
+        FOOVB(model, "diagonal", 4).step(closure_of(model, lambda out, y: (
+            row_weights * F.cross_entropy(out, y, reduction="none")).sum() / row_weights.sum()))
+    snapshots = []
+    for loss_fn in (lambda out, y: (row_weights * F.cross_entropy(out, y, reduction="none")).sum(),
+                    lambda out, y: F.cross_entropy(out, y, weight=class_weights)):
+        model = mlp()
+        opt = FOOVB(model, "diagonal", 4, seed=3)
+        opt.step(closure_of(model, loss_fn))
+        snapshots.append(posterior_snapshot(opt))
+    for got, want in zip(snapshots[1], snapshots[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_sum_over_rows_and_tokens_divided_by_their_number_is_their_mean():
