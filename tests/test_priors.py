@@ -55,7 +55,10 @@ def test_a_parametrized_layers_bias_takes_its_weights_fans(wrap):
     layer = getattr(torch.nn.utils.parametrizations, wrap)(nn.Linear(6, 8))
     assert xavier_std(layer.bias, layer) == pytest.approx(math.sqrt(2 / 14)) == xavier_std(nn.Linear(6, 8).weight)
     model = nn.Sequential(layer, nn.ReLU(), nn.Linear(8, 3))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
     assert FOOVB(model, seed=0).posterior(layer.bias).std.mean().item() == pytest.approx(math.sqrt(2 / 14))
+    # FOOVB(model) evaluated the computed weight, which advanced spectral_norm's power iteration (its vector u)
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
 
 
 @pytest.mark.parametrize("param", [torch.ones(6), torch.tensor(1.0), torch.empty(0, 3)])

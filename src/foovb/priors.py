@@ -123,6 +123,8 @@ def weight_matrices(module: nn.Module, direct: list[nn.Parameter]) -> list[tuple
       computes a weight. The paper's matrix-variate Gaussian is a family for any weight matrix: its update
       (Algorithm 3) reads only the samples' gradients."""
     if isinstance(module, MATRIX_VARIATE_LAYERS):
+        if parametrize.is_parametrized(module, "weight"):  # a computed weight, whose evaluation would advance
+            return []  # spectral_norm's power iteration
         weight = module.weight
         if (isinstance(weight, nn.Parameter) and weight.requires_grad
                 and all(p is weight or p is module.bias for p in direct)):
