@@ -369,13 +369,6 @@ class Step:
                     # sum: d(sum_k L_k)/d theta_k = g_k; a mean over the c stacked batches: back to the sum
                     reduction = loss_reduction_of(loss)
                     try:
-                        # loss_reduction="sum" takes a sum plus a regulariser as L_n, but here a regulariser reads
-                        # no sample's weights: only a mean or a sum over the stacked rows (or tokens of them) passes
-                        if reduction.kind not in ("mean", "sum"):
-                            raise ValueError(f"its last operation is {reduction.kind}, not a mean or a sum")
-                        if reduction.kind == "sum" and not math.isnan(reduction.terms) and reduction.terms % (c * rows):
-                            raise ValueError(f"it is a .sum() over {reduction.terms:g} leading rows, not over the "
-                                             f"{c} x {rows} stacked rows (a regulariser's sum added to the loss?)")
                         grad_scale = loss_scale(reduction, self.loss_reduction, None, frozenset({c * rows}))
                     except ValueError as stacked:  # its advice is for step(closure): step_batched has no batch_size
                         # the advice for step(closure) on the batch itself: its rows and 1/c of the stacked terms

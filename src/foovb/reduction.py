@@ -262,8 +262,6 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
             raise ValueError(f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} "
                              f"terms, but it is a mean over {terms:g} (the values it averages): drop batch_size, "
                              f"and the step multiplies it by {terms:g} itself")
-        if not math.isnan(mean_inside) and not fits_mean_inside(batch_size, mean_inside, factor):
-            raise ValueError(contradicted_mean_inside(batch_size, mean_inside, kind, rows))
         return float(batch_size)
     if declared == "sum":
         if kind == "mean" or not math.isnan(mean_inside):
@@ -350,30 +348,6 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         f"loss function's output itself (its mean, or reduction='sum'), call step(closure, "
         f"batch_size={n or 'n'}) if the loss is a mean over the batch's rows, or FOOVB(..., loss_reduction='sum') "
         "if it is the batch's summed negative log-likelihood (plus a regulariser)")
-
-
-def fits_mean_inside(batch_size: int, mean_inside: float, factor: float) -> bool:
-    """Whether step(closure, batch_size=n) can be the count of a loss that adds a mean over `mean_inside` values to
-    other terms (a regulariser): n divides them (the batch's rows, one value or several a row), or the loss is
-    `factor` times that sum of terms and n is the whole batch's count (micro-batches, (loss + reg) / k each)."""
-    shares = mean_inside / batch_size
-    return (round(shares) >= 1 and math.isclose(shares, round(shares), rel_tol=1e-6)) or (
-        factor != 1 and math.isclose(batch_size, mean_inside / factor, rel_tol=1e-6))
-
-
-def contradicted_mean_inside(batch_size: int, mean_inside: float, kind: str, rows: frozenset[int]) -> str:
-    """The error for a batch_size that `fits_mean_inside` refuses: what the loss's mean averages, and the count to
-    give."""
-    said = (f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} terms, but the mean it "
-            f"adds to other terms ({kind}: e.g. a regulariser) averages {mean_inside:g} values (its divisor), of which "
-            f"{batch_size} is no whole share")
-    if not math.isclose(mean_inside, round(mean_inside), rel_tol=1e-6):
-        return (f"{said}; {mean_inside:g} is no count (a total class weight?), so no batch_size fits: use the loss "
-                "function's reduction='sum' and FOOVB(..., loss_reduction='sum')")
-    per_row = [row for row in sorted(rows) if row != round(mean_inside) and round(mean_inside) % row == 0]
-    or_rows = "".join(f" or batch_size={row} ({mean_inside / row:g} values a row)" for row in per_row)
-    return (f"{said}: a batch_size held over from another batch (a last, smaller one) or a dataset size? Give this "
-            f"batch's own count at every step: step(closure, batch_size={round(mean_inside)}){or_rows}")
 
 
 def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int | None,
