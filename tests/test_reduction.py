@@ -659,6 +659,39 @@ def test_a_regularised_mean_over_several_values_per_row_names_both_sizes():
             model, lambda out, y: F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum()))
 
 
+def test_a_batch_size_larger_than_anything_the_loss_counts_is_refused():
+    """A regularised mean took any batch_size: a full batch's count kept for a smaller last batch, or a dataset size
+    (a likelihood 7,500 times too strong: a user's trial), in silence. A count above every count the loss shows (the
+    values its mean averages, that over the loss's constant factor, the input's rows) is refused now; smaller ones
+    stay taken (the regulariser's own mean, written first, or a multi-task sum, cannot be told from the
+    likelihood's: a stricter check of session 57 refused such correct losses)."""
+    model = mlp()
+
+    def regularised(out, y):
+        return F.cross_entropy(out, y) + 1e-3 * model[0].weight.square().sum()
+
+    for wrong in (9, 64, 60000):
+        with pytest.raises(ValueError, match=rf"^step\(closure, batch_size={wrong}\) says the loss is a mean over "
+                                             rf"{wrong} terms, more than it can count: its mean averages 8 values; the "
+                                             r"model's input has 8 rows\. A count kept from a larger batch"):
+            FOOVB(model, "diagonal", 4).step(closure_of(model, regularised), batch_size=wrong)
+    target = torch.zeros(8, 3)
+    accepted = [  # (loss, count): taken as before
+        (regularised, 8),
+        (lambda out, y: 1e-3 * model[0].weight.square().mean() + F.cross_entropy(out, y), 8),  # its mean first
+        (lambda out, y: F.mse_loss(out, target) + 1e-3 * model[0].weight.square().sum(), 24),  # rows x outputs
+        (lambda out, y: F.mse_loss(out, target) + 1e-3 * model[0].weight.square().sum(), 8),  # or the rows
+        (lambda out, y: regularised(out, y) / 2, 16),  # 2 micro-batches' whole count (or a Gaussian's 1/2: 8)
+    ]
+    for loss_fn, count in accepted:
+        opt = FOOVB(model, "diagonal", 4)
+        opt.step(closure_of(model, loss_fn), batch_size=count)
+        assert opt.steps_taken == 1
+    with pytest.raises(ValueError, match=r"batch_size=25\) .* more than it can count: its mean averages 24 values"):
+        FOOVB(model, "diagonal", 4).step(closure_of(
+            model, lambda out, y: F.mse_loss(out, target) + 1e-3 * model[0].weight.square().sum()), batch_size=25)
+
+
 def test_per_example_losses_are_refused_with_what_to_return():
     model = mlp()
     opt = FOOVB(model, "diagonal", 4)

@@ -350,6 +350,24 @@ def loss_scale(reduction: LossReduction | None, declared: str, batch_size: int |
         "if it is the batch's summed negative log-likelihood (plus a regulariser)")
 
 
+def check_batch_size_fits(reduction: LossReduction, batch_size: int, rows: frozenset[int]) -> None:
+    """Refuse step(closure, batch_size=n) where n is more than anything one backward() call's loss can count: the
+    values its mean averages (also inside a mean plus a regulariser), that count over the constant the loss is
+    scaled by (the whole batch of micro-batches, (loss + reg) / k), and the rows of the model's input. Such an n is a
+    count kept from a larger batch or a dataset size: a likelihood that many times too strong, silently. Smaller
+    counts cannot be told from a regularised mean's own (which of its means is the likelihood's is not read)."""
+    averaged = reduction.terms if reduction.kind == "mean" else reduction.mean_inside
+    if math.isnan(averaged) or not math.isfinite(reduction.factor) or reduction.factor == 0:
+        return
+    counts = [averaged, averaged / abs(reduction.factor), *rows]
+    if batch_size > max(counts) * (1 + 1e-6):
+        seen = f"; the model's input has {' or '.join(str(r) for r in sorted(rows))} rows" if rows else ""
+        raise ValueError(
+            f"step(closure, batch_size={batch_size}) says the loss is a mean over {batch_size} terms, more than it "
+            f"can count: its mean averages {averaged:g} values{seen}. A count kept from a larger batch (for a "
+            "smaller last one) or a dataset size? Give this batch's own count at every step")
+
+
 def reads_a_mean(reduction: LossReduction | None, declared: str, batch_size: int | None,
                  rows: frozenset[int]) -> bool:
     """Whether a loss that `loss_scale` accepted is a mean over the batch's rows (its scale turned it into their
@@ -496,6 +514,8 @@ class LossSpy(TorchFunctionMode):
                     "multiplies the gradients of all of them. Call backward() once, on the total loss, or, if every "
                     f"loss is a mean over the batch's {rows} rows, call step(closure, batch_size={rows})"
                 ) from error
+        if batch_size is not None and len(self.reductions) == 1:
+            check_batch_size_fits(self.reductions[0], batch_size, frozenset(self.rows))
         if any(s != scales[0] for s in scales):
             raise ValueError(
                 f"the closure called backward() {len(scales)} times on losses of different scales (means over "
