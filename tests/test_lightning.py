@@ -305,3 +305,40 @@ def test_attributes_written_through_lightnings_optimizer_wrapper_reach_the_optim
     reducer = object()
     wrapper.statistics_reducer = reducer
     assert opt.statistics_reducer is reducer
+
+
+class Unscheduled(Classifier):
+    def configure_optimizers(self):
+        return FOOVB(self, mc_samples=K, mean_step=MEAN_STEP, seed=self.foovb_seed)
+
+
+class SkipsOddBatches(Unscheduled):
+    """Lightning's documented skip: training_step returns None (no backward) on every odd batch."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_returning_none_skips_the_batch(mnist, tmp_path):
+    """training_step returning None ran into FOOVB's "the closure must return the loss tensor" (a review): a closure
+    that returns None without calling backward() now takes no step, as a torch optimizer without gradients, and the
+    run equals one over the even batches alone; one that called backward() and returned None stays a TypeError."""
+    x, y, _, _ = mnist
+    skipping = SkipsOddBatches()
+    trainer(tmp_path / "skip", max_epochs=1).fit(skipping, loader(x, y))
+    assert skipping.trainer.optimizers[0].steps_taken == N_TRAIN // BATCH // 2
+    even = torch.cat([torch.arange(i * BATCH, (i + 1) * BATCH) for i in range(0, N_TRAIN // BATCH, 2)])
+    plain = Unscheduled()
+    trainer(tmp_path / "even", max_epochs=1).fit(plain, loader(x[even], y[even]))
+    for got, want in zip(posterior_snapshot(skipping.trainer.optimizers[0], skipping.net),
+                         posterior_snapshot(plain.trainer.optimizers[0], plain.net), strict=True):
+        torch.testing.assert_close(got, want)
+    net = make_net(0)
+    opt = FOOVB(net, seed=0)
+
+    def forgets_to_return():
+        opt.zero_grad()
+        F.cross_entropy(net(x[:BATCH]), y[:BATCH]).backward()
+
+    with pytest.raises(TypeError, match=r"got NoneType \(it called backward\(\): return the loss\)"):
+        opt.step(forgets_to_return)

@@ -24,7 +24,7 @@ from .precision import full_precision
 from .reduction import LossSpy, loss_reduction_of, loss_scale, reads_a_mean
 from .sampled import SampledNetwork, augmented_input, check_batched_support
 
-__all__ = ["RunningStatistics", "Sample", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
+__all__ = ["RunningStatistics", "Sample", "SkippedBatch", "StatisticsReducer", "Step", "WIDE_LAYER", "apply_update",
            "check_batched_step", "check_gradients", "closure_of", "deferred_closure_sample", "draw_noise", "mix",
            "scale_statistics", "stacking_is_slower"]
 
@@ -122,6 +122,11 @@ class StatisticsReducer(Protocol):
         """`value`, a sum over the rows of the batch this process evaluated, for the whole batch: the sum over the
         processes' shards (data mode), or their mean (MC mode, where each evaluated the whole batch)."""
         ...
+
+
+class SkippedBatch(Exception):  # noqa: N818 - a signal, not an error
+    """The closure's first sample returned None without calling backward(): the caller skips this batch (Lightning's
+    automatic optimization when training_step returns None), as a torch optimizer with no gradients does."""
 
 
 @dataclass
@@ -313,8 +318,11 @@ class Step:
         """`gradients` with the closure as the block (it must return the loss tensor); returns the loss."""
         with self.gradients(k, noises, reports_loss=True, deferred=deferred) as sample:
             loss = closure()
+            if loss is None and not self.count and all(p.grad is None for p in self.all_params):
+                raise SkippedBatch  # no loss and no gradients on the first sample: a skipped batch
             if not isinstance(loss, Tensor):
-                raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}")
+                raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}"
+                                + (" (it called backward(): return the loss)" if loss is None else ""))
             if loss.numel() != 1:
                 raise ValueError(f"the closure must return the scalar loss it called backward() on, not a tensor of "
                                  f"shape {tuple(loss.shape)} (per-example losses: return their sum or mean)")

@@ -35,6 +35,7 @@ from .calibration import (
 from .engine import (
     RunningStatistics,
     Sample,
+    SkippedBatch,
     StatisticsReducer,
     Step,
     apply_update,
@@ -284,12 +285,14 @@ class FOOVB(Persistence):
         drop_autocast_cache()
 
     # -- training --------------------------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> Tensor:
+    def step(self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None) -> Tensor | None:
         """One FOO-VB step (Algorithm 1) with K sequential Monte Carlo samples, one network in memory at a time.
 
         `closure` runs forward and backward on the model's current weights and returns the loss; it is called K
         times, each with a fresh sample loaded. `batch_size`: the loss is a mean over this many terms (overrides what
-        `loss_reduction` reads). Returns the samples' mean loss as a 0-dim float64 tensor. Batch-norm running
+        `loss_reduction` reads). Returns the samples' mean loss as a 0-dim float64 tensor; None, with no step taken,
+        where the closure returns None without calling backward() (a skipped batch: Lightning's training_step
+        returning None; one that called backward() and returned None is a TypeError). Batch-norm running
         statistics are updated once, by a forward of the new mean: in a model with batch norm in training mode the
         closure is called once more where the secant check did not call it at that mean.
 
@@ -301,6 +304,7 @@ class FOOVB(Persistence):
         if self.calibrate_prior is not None and not self.steps_taken:
             refuse_accumulated_gradients(self.blocks)  # before the calibration's closure call drops them
             self._calibrate_prior(first_model_call(self.model, closure))
+        generator_state = self.generator.get_state()  # a skipped batch leaves the noise stream too as it was
         pending = self._start_step(batch_size)
         pending.recheck = closure
         try:
@@ -311,11 +315,14 @@ class FOOVB(Persistence):
                 else:
                     self.load_sample(noises, 0)  # theta_k = mu + A eps_k
                     pending.closure_sample(k, noises, closure)  # g_k = grad L_n(theta_k), added to the sums
-        except BaseException:  # a failed sample abandons the step: the posterior is unchanged
+        except BaseException as error:  # a failed sample abandons the step: the posterior is unchanged
             self._pending = None
             pending.running.restore()
             self.load_mean_into_model()
             self._undo_calibration()
+            if isinstance(error, SkippedBatch):  # the closure returned None before any backward(): no step, as a
+                self.generator.set_state(generator_state)  # torch optimizer takes none without gradients
+                return None
             raise
         return self._finish_step()  # E[g], E[g eps^T] -> the UPDATE of every block, the new mean loaded
 
