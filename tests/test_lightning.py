@@ -5,6 +5,7 @@ checkpoint + resume identical to an uninterrupted run. Small MNIST subset, CPU, 
 from __future__ import annotations
 
 import csv
+import types
 import warnings
 
 import pytest
@@ -342,3 +343,7 @@ def test_a_training_step_returning_none_skips_the_batch(mnist, tmp_path):
 
     with pytest.raises(TypeError, match=r"got NoneType \(it called backward\(\): return the loss\)"):
         opt.step(forgets_to_return)
+    # under foovb.distributed a process cannot skip alone: its peers would wait in the step's all-reduce
+    opt.statistics_reducer = types.SimpleNamespace(samples=range(opt.mc_samples))
+    with pytest.raises(TypeError, match="every process takes every step together"):
+        opt.step(lambda: None)

@@ -320,6 +320,9 @@ class FOOVB(Persistence):
             pending.running.restore()
             self.load_mean_into_model()
             self._undo_calibration()
+            if isinstance(error, SkippedBatch) and self.statistics_reducer is not None:  # peers would wait for it
+                raise TypeError("the closure returned None without calling backward(): a skipped batch, but under "
+                                "foovb.distributed every process takes every step together") from None
             if isinstance(error, SkippedBatch):  # the closure returned None before any backward(): no step, as a
                 self.generator.set_state(generator_state)  # torch optimizer takes none without gradients
                 return None
