@@ -318,13 +318,12 @@ class Step:
         """`gradients` with the closure as the block (it must return the loss tensor); returns the loss."""
         with self.gradients(k, noises, reports_loss=True, deferred=deferred) as sample:
             loss = closure()
-            no_gradients = all(p.grad is None for p in self.all_params)
-            if loss is None and not self.count and no_gradients:
-                raise SkippedBatch  # no loss and no gradients on the first sample: a skipped batch
             if not isinstance(loss, Tensor):
+                called_backward = loss is None and any(p.grad is not None for p in self.all_params)
+                if loss is None and not self.count and not called_backward:
+                    raise SkippedBatch  # no loss and no gradients on the first sample: a skipped batch
                 raise TypeError(f"the closure must return the loss tensor, got {type(loss).__name__}"
-                                + (" (it called backward(): return the loss)" if loss is None and not no_gradients
-                                   else ""))
+                                + (" (it called backward(): return the loss)" if called_backward else ""))
             if loss.numel() != 1:
                 raise ValueError(f"the closure must return the scalar loss it called backward() on, not a tensor of "
                                  f"shape {tuple(loss.shape)} (per-example losses: return their sum or mean)")

@@ -320,13 +320,13 @@ class FOOVB(Persistence):
             pending.running.restore()
             self.load_mean_into_model()
             self._undo_calibration()
-            if isinstance(error, SkippedBatch) and self.statistics_reducer is not None:  # peers would wait for it
+            if not isinstance(error, SkippedBatch):
+                raise
+            if self.statistics_reducer is not None:  # its peers would wait for it in the step's all-reduce
                 raise TypeError("the closure returned None without calling backward(): a skipped batch, but under "
                                 "foovb.distributed every process takes every step together") from None
-            if isinstance(error, SkippedBatch):  # the closure returned None before any backward(): no step, as a
-                self.generator.set_state(generator_state)  # torch optimizer takes none without gradients
-                return None
-            raise
+            self.generator.set_state(generator_state)  # no step, as a torch optimizer takes none without gradients
+            return None
         return self._finish_step()  # E[g], E[g eps^T] -> the UPDATE of every block, the new mean loaded
 
     def _finish_own_loop(self, closure: Callable[[], Tensor] | None) -> Tensor:
